@@ -1,0 +1,74 @@
+// megamoe C API: no PyTorch types, so one native build serves every framework version.
+//
+// Every function returns MEGAMOE_OK or an error code; megamoe_last_error() then holds a message
+// for the calling thread. Device pointers are raw CUDA allocations owned by the caller.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MEGAMOE_OK 0
+#define MEGAMOE_ERROR_INVALID_ARGUMENT 1
+#define MEGAMOE_ERROR_CUDA 2
+
+// Rows of the expert-major pool are grouped in blocks of this many; each expert is padded to it.
+#define MEGAMOE_BLOCK_M 128
+
+const char* megamoe_last_error(void);
+
+// ---------------------------------------------------------------------------------------------
+// Routing: topk_ids [T, K] (global expert ids, -1 = masked) -> an expert-major pool plan for the
+// experts [expert_begin, expert_begin + num_local_experts). Routes to other experts get slot -1.
+// Within an expert, rows keep route order (t * K + k ascending), so the plan is deterministic.
+// ---------------------------------------------------------------------------------------------
+typedef struct {
+  int64_t num_tokens;         // T >= 0
+  int32_t top_k;              // K >= 1
+  int32_t num_experts;        // E, global
+  int32_t expert_begin;       // first local expert
+  int32_t num_local_experts;  // E_local >= 1
+} megamoe_routing_shape;
+
+typedef struct {
+  int32_t* expert_counts;   // [E_local]      routes per local expert
+  int32_t* expert_offsets;  // [E_local + 1]  first pool row of each expert; multiples of BLOCK_M
+  int32_t* route_to_slot;   // [T * K]        pool row of route t * K + k, or -1
+  int32_t* slot_to_route;   // [capacity]     route of each pool row, -1 for padding rows
+  int32_t* block_expert;    // [max_blocks]   local expert of pool block b (rows b*128 .. b*128+127)
+  int32_t* num_blocks;      // [1]            blocks in use
+  int32_t* num_invalid;     // [1]            routes whose id is outside [-1, E): treated as masked
+  void* workspace;          // megamoe_routing_workspace_bytes() bytes; device plans only
+} megamoe_routing_plan;
+
+// Pool rows the plan can need in the worst case (every expert adds at most BLOCK_M - 1 padding rows).
+int64_t megamoe_routing_capacity(const megamoe_routing_shape* shape);
+int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape);
+size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape);
+
+// GPU plan, enqueued on `stream` (a cudaStream_t); does not synchronise.
+int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_shape* shape,
+                               const megamoe_routing_plan* plan, void* stream);
+
+// Host reference with the same outputs (plan->workspace is unused).
+int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_shape* shape,
+                               const megamoe_routing_plan* plan);
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).
+// For every block b < *num_blocks with local expert e = block_expert[b]:
+//   C[128 b : 128 b + 128, :] = A[128 b : 128 b + 128, :] · B[e]ᵀ
+// A [max_blocks * 128, K] bf16 row-major; B [E_local, N, K] bf16 row-major (nn.Linear layout);
+// C [max_blocks * 128, N] bf16 row-major. num_blocks is read on the device (no host sync).
+// N and K must be multiples of 128.
+// ---------------------------------------------------------------------------------------------
+int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32_t* block_expert,
+                              const int32_t* num_blocks, int64_t max_blocks, int32_t n, int32_t k,
+                              int32_t num_local_experts, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,43 @@
+// Routing internals shared by the host reference and the CUDA implementation.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/megamoe.h"
+
+#ifdef __CUDACC__
+#define MEGAMOE_HOST_DEVICE __host__ __device__
+#else
+#define MEGAMOE_HOST_DEVICE
+#endif
+
+namespace megamoe::routing {
+
+constexpr int kBlockM = MEGAMOE_BLOCK_M;
+// Routes one warp scans in the CUDA plan; each chunk keeps its own per-expert counters so that the
+// slot order inside an expert follows route order without a global sort.
+constexpr int kRoutesPerChunk = 512;
+
+MEGAMOE_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+MEGAMOE_HOST_DEVICE inline int64_t num_routes(const megamoe_routing_shape& s) { return s.num_tokens * s.top_k; }
+
+MEGAMOE_HOST_DEVICE inline int64_t num_chunks(const megamoe_routing_shape& s) {
+  return ceil_div(num_routes(s), kRoutesPerChunk);
+}
+
+// Local expert of a global id, or -1 for masked, out-of-range or other ranks' experts.
+MEGAMOE_HOST_DEVICE inline int32_t local_expert(int32_t id, const megamoe_routing_shape& s) {
+  const int32_t local = id - s.expert_begin;
+  return (local >= 0 && local < s.num_local_experts) ? local : -1;
+}
+
+MEGAMOE_HOST_DEVICE inline bool is_invalid_id(int32_t id, const megamoe_routing_shape& s) {
+  return id < -1 || id >= s.num_experts;
+}
+
+// Checks the shape and the plan pointers; returns MEGAMOE_OK or sets the last error.
+int validate(const megamoe_routing_shape* shape, const megamoe_routing_plan* plan,
+             bool needs_workspace);
+
+}  // namespace megamoe::routing

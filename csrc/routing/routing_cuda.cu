@@ -1,0 +1,148 @@
+// CUDA routing plan in three deterministic passes (no atomics whose order shows in the result):
+//   1. count:  one warp per chunk of routes counts routes per local expert for that chunk;
+//   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets and the block list;
+//   3. assign: each warp walks its chunk again in route order and hands out pool slots.
+// Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync.
+#include <cub/block/block_scan.cuh>
+
+#include "common/status.h"
+#include "routing/routing.h"
+
+namespace megamoe::routing {
+namespace {
+
+constexpr int kWarpsPerCta = 8;
+constexpr int kScanThreads = 1024;
+constexpr int kStepsPerChunk = kRoutesPerChunk / 32;
+
+struct WarpGroupOfExpert {
+  unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")
+  int leader;      // lowest such lane
+  int rank;        // this lane's position among its peers
+};
+
+__device__ WarpGroupOfExpert group_lanes_by_expert(int32_t expert) {
+  const unsigned peers = __match_any_sync(0xffffffffu, expert);
+  const int lane = threadIdx.x % 32;
+  return {peers, __ffs(peers) - 1, __popc(peers & ((1u << lane) - 1u))};
+}
+
+__global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+                             int32_t* __restrict__ chunk_counts, int32_t* __restrict__ num_invalid) {
+  const int64_t chunk = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (chunk >= num_chunks(shape)) return;
+  int32_t* counts = chunk_counts + chunk * shape.num_local_experts;
+  const int64_t routes = num_routes(shape);
+  int invalid = 0;
+  for (int step = 0; step < kStepsPerChunk; ++step) {
+    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
+    const int32_t id = r < routes ? topk_ids[r] : -1;
+    invalid += is_invalid_id(id, shape);
+    const int32_t expert = local_expert(id, shape);
+    const auto group = group_lanes_by_expert(expert);
+    // Only this warp touches this chunk's counters, and each leader owns a different expert.
+    if (lane == group.leader && expert >= 0) counts[expert] += __popc(group.peers);
+  }
+  invalid = __reduce_add_sync(0xffffffffu, invalid);
+  if (lane == 0 && invalid > 0) atomicAdd(num_invalid, invalid);
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
+            megamoe_routing_plan plan) {
+  using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int32_t blocks_before_tile;
+  const int64_t chunks = num_chunks(shape);
+  const int32_t experts = shape.num_local_experts;
+  if (threadIdx.x == 0) blocks_before_tile = 0;
+  __syncthreads();
+
+  for (int32_t tile = 0; tile < experts; tile += kScanThreads) {
+    const int32_t e = tile + threadIdx.x;
+    int32_t total = 0;
+    if (e < experts) {
+      for (int64_t c = 0; c < chunks; ++c) {  // chunk counts -> exclusive per-chunk bases
+        const int32_t count = chunk_counts[c * experts + e];
+        chunk_counts[c * experts + e] = total;
+        total += count;
+      }
+    }
+    const int32_t expert_blocks = int32_t(ceil_div(total, kBlockM));
+    int32_t first_block, tile_blocks;
+    BlockScan(scan_storage).ExclusiveSum(expert_blocks, first_block, tile_blocks);
+    first_block += blocks_before_tile;
+    if (e < experts) {
+      plan.expert_counts[e] = total;
+      plan.expert_offsets[e] = first_block * kBlockM;
+      for (int32_t b = 0; b < expert_blocks; ++b) plan.block_expert[first_block + b] = e;
+    }
+    __syncthreads();  // everyone has read blocks_before_tile and scan_storage
+    if (threadIdx.x == 0) blocks_before_tile += tile_blocks;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    plan.expert_offsets[experts] = blocks_before_tile * kBlockM;
+    *plan.num_blocks = blocks_before_tile;
+  }
+}
+
+__global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+                             int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
+  const int64_t chunk = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (chunk >= num_chunks(shape)) return;
+  int32_t* bases = chunk_bases + chunk * shape.num_local_experts;
+  const int64_t routes = num_routes(shape);
+  for (int step = 0; step < kStepsPerChunk; ++step) {
+    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
+    const int32_t expert = local_expert(r < routes ? topk_ids[r] : -1, shape);
+    const auto group = group_lanes_by_expert(expert);
+    int32_t base = 0;
+    if (lane == group.leader && expert >= 0) {
+      base = bases[expert];
+      bases[expert] = base + __popc(group.peers);
+    }
+    base = __shfl_sync(0xffffffffu, base, group.leader);
+    if (r < routes) {
+      const int32_t slot = expert >= 0 ? plan.expert_offsets[expert] + base + group.rank : -1;
+      plan.route_to_slot[r] = slot;
+      if (slot >= 0) plan.slot_to_route[slot] = int32_t(r);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace megamoe::routing
+
+using namespace megamoe::routing;
+
+extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_shape* shape,
+                                          const megamoe_routing_plan* plan, void* stream_handle) {
+  if (int status = validate(shape, plan, num_routes(*shape) > 0); status != MEGAMOE_OK) return status;
+  const auto& s = *shape;
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  auto* chunk_counts = static_cast<int32_t*>(plan->workspace);
+  const int64_t chunks = num_chunks(s);
+  const int grid = int(ceil_div(chunks, kWarpsPerCta));
+
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      plan->slot_to_route, 0xff, sizeof(int32_t) * megamoe_routing_capacity(shape), stream));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      plan->block_expert, 0xff, sizeof(int32_t) * megamoe_routing_max_blocks(shape), stream));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(plan->num_invalid, 0, sizeof(int32_t), stream));
+  if (chunks > 0) {
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(chunk_counts, 0, megamoe_routing_workspace_bytes(shape), stream));
+    count_chunks<<<grid, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, plan->num_invalid);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (chunks > 0) {
+    assign_slots<<<grid, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, *plan);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return MEGAMOE_OK;
+}

@@ -1,0 +1,90 @@
+// Host reference for the routing plan: the plain definition the CUDA plan is tested against.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "routing/routing.h"
+
+namespace megamoe::routing {
+
+int validate(const megamoe_routing_shape* shape, const megamoe_routing_plan* plan,
+             bool needs_workspace) {
+  if (shape == nullptr || plan == nullptr) return invalid_argument("routing: null shape or plan");
+  const auto& s = *shape;
+  if (s.num_tokens < 0) return invalid_argument("routing: num_tokens must be >= 0");
+  if (s.top_k < 1) return invalid_argument("routing: top_k must be >= 1");
+  if (s.num_experts < 1) return invalid_argument("routing: num_experts must be >= 1");
+  if (s.num_local_experts < 1 || s.expert_begin < 0 ||
+      int64_t(s.expert_begin) + s.num_local_experts > s.num_experts) {
+    return invalid_argument("routing: local experts [" + std::to_string(s.expert_begin) + ", " +
+                            std::to_string(int64_t(s.expert_begin) + s.num_local_experts) +
+                            ") must lie inside [0, " + std::to_string(s.num_experts) + ")");
+  }
+  if (num_routes(s) > INT32_MAX / 2) {
+    return invalid_argument("routing: T * K = " + std::to_string(num_routes(s)) +
+                            " routes exceeds the 32-bit slot index range");
+  }
+  if (!plan->expert_counts || !plan->expert_offsets || !plan->slot_to_route ||
+      !plan->block_expert || !plan->num_blocks || !plan->num_invalid ||
+      (num_routes(s) > 0 && !plan->route_to_slot) || (needs_workspace && !plan->workspace)) {
+    return invalid_argument("routing: a plan output pointer is null");
+  }
+  return MEGAMOE_OK;
+}
+
+}  // namespace megamoe::routing
+
+using namespace megamoe::routing;
+
+extern "C" int64_t megamoe_routing_capacity(const megamoe_routing_shape* shape) {
+  return ceil_div(num_routes(*shape), kBlockM) * kBlockM + int64_t(shape->num_local_experts) * kBlockM;
+}
+
+extern "C" int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape) {
+  return megamoe_routing_capacity(shape) / kBlockM;
+}
+
+extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_shape* shape,
+                                          const megamoe_routing_plan* plan) {
+  if (int status = validate(shape, plan, false); status != MEGAMOE_OK) return status;
+  const auto& s = *shape;
+  const int64_t routes = num_routes(s);
+  if (routes > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
+
+  std::vector<int32_t> counts(s.num_local_experts, 0);
+  int32_t invalid = 0;
+  for (int64_t r = 0; r < routes; ++r) {
+    invalid += is_invalid_id(topk_ids[r], s);
+    const int32_t e = local_expert(topk_ids[r], s);
+    if (e >= 0) ++counts[e];
+  }
+
+  int32_t blocks = 0;
+  for (int32_t e = 0; e < s.num_local_experts; ++e) {
+    plan->expert_counts[e] = counts[e];
+    plan->expert_offsets[e] = blocks * kBlockM;
+    const int32_t expert_blocks = int32_t(ceil_div(counts[e], kBlockM));
+    for (int32_t b = 0; b < expert_blocks; ++b) plan->block_expert[blocks + b] = e;
+    blocks += expert_blocks;
+  }
+  plan->expert_offsets[s.num_local_experts] = blocks * kBlockM;
+  std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(shape), -1);
+  std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(shape), -1);
+  *plan->num_blocks = blocks;
+  *plan->num_invalid = invalid;
+
+  std::vector<int32_t> next(plan->expert_offsets, plan->expert_offsets + s.num_local_experts);
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t e = local_expert(topk_ids[r], s);
+    const int32_t slot = e >= 0 ? next[e]++ : -1;
+    plan->route_to_slot[r] = slot;
+    if (slot >= 0) plan->slot_to_route[slot] = int32_t(r);
+  }
+  return MEGAMOE_OK;
+}
+
+extern "C" size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape) {
+  // Per-chunk, per-expert counters (then the chunk's running base) for the CUDA plan.
+  return size_t(num_chunks(*shape)) * size_t(shape->num_local_experts) * sizeof(int32_t);
+}

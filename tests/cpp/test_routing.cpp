@@ -1,0 +1,221 @@
+// Routing plan: the host reference is checked against the plan's definition, and the CUDA plan
+// against the host reference, on random, skewed and edge-case routings.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/megamoe.h"
+
+namespace {
+
+struct Case {
+  std::string name;
+  megamoe_routing_shape shape;
+  std::vector<int32_t> ids;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct HostPlan {
+  std::vector<int32_t> counts, offsets, route_to_slot, slot_to_route, block_expert;
+  int32_t num_blocks = -1, num_invalid = -1;
+
+  explicit HostPlan(const megamoe_routing_shape& s)
+      : counts(s.num_local_experts, -7), offsets(s.num_local_experts + 1, -7),
+        route_to_slot(s.num_tokens * s.top_k, -7), slot_to_route(megamoe_routing_capacity(&s), -7),
+        block_expert(megamoe_routing_max_blocks(&s), -7) {}
+
+  megamoe_routing_plan view() {
+    return {counts.data(), offsets.data(), route_to_slot.data(), slot_to_route.data(),
+            block_expert.data(), &num_blocks, &num_invalid, nullptr};
+  }
+};
+
+int cuda_devices() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// Routing with `hot_fraction` of routes on expert 0 and the rest uniform; ids unique per token
+// only where the sampler allows (duplicates are legal input and must be handled).
+Case make_case(std::string name, int64_t tokens, int k, int experts, int begin, int local,
+               double hot_fraction, double masked_fraction, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int> expert(0, experts - 1);
+  Case c{std::move(name), {tokens, k, experts, begin, local}, {}};
+  c.ids.resize(tokens * k);
+  for (auto& id : c.ids) {
+    const double x = u(rng);
+    id = x < masked_fraction ? -1 : (x < masked_fraction + hot_fraction ? 0 : expert(rng));
+  }
+  return c;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  out.push_back(make_case("random", 1000, 8, 64, 0, 64, 0.0, 0.0, 1));
+  out.push_back(make_case("skewed", 4096, 8, 128, 0, 128, 0.3, 0.0, 2));
+  out.push_back(make_case("masked", 777, 4, 16, 0, 16, 0.0, 0.25, 3));
+  out.push_back(make_case("one_expert_takes_all", 1500, 2, 8, 0, 8, 1.0, 0.0, 4));
+  out.push_back(make_case("all_masked", 300, 8, 8, 0, 8, 0.0, 1.0, 5));
+  out.push_back(make_case("no_tokens", 0, 8, 128, 0, 128, 0.0, 0.0, 6));
+  out.push_back(make_case("one_token", 1, 8, 128, 0, 128, 0.0, 0.0, 7));
+  out.push_back(make_case("top1", 513, 1, 4, 0, 4, 0.0, 0.0, 8));
+  out.push_back(make_case("local_slice", 2048, 8, 128, 32, 32, 0.1, 0.05, 9));
+  out.push_back(make_case("many_experts", 3000, 6, 2000, 0, 2000, 0.0, 0.0, 10));
+  auto invalid = make_case("invalid_ids", 200, 4, 16, 0, 16, 0.0, 0.0, 11);
+  invalid.ids[3] = 16;
+  invalid.ids[17] = -5;
+  out.push_back(invalid);
+  return out;
+}
+
+// The plan's definition, checked on the host output.
+void expect_valid_plan(const Case& c, const HostPlan& p) {
+  const auto& s = c.shape;
+  const int64_t routes = s.num_tokens * s.top_k;
+  std::vector<int32_t> expected_counts(s.num_local_experts, 0);
+  int32_t invalid = 0;
+  for (int32_t id : c.ids) {
+    invalid += (id < -1 || id >= s.num_experts);
+    const int32_t e = id - s.expert_begin;
+    if (e >= 0 && e < s.num_local_experts) ++expected_counts[e];
+  }
+  EXPECT_EQ(p.counts, expected_counts);
+  EXPECT_EQ(p.num_invalid, invalid);
+  EXPECT_EQ(p.offsets[0], 0);
+  for (int e = 0; e < s.num_local_experts; ++e) {
+    const int32_t padded = (expected_counts[e] + 127) / 128 * 128;
+    EXPECT_EQ(p.offsets[e + 1] - p.offsets[e], padded) << "expert " << e;
+  }
+  EXPECT_EQ(p.num_blocks * MEGAMOE_BLOCK_M, p.offsets[s.num_local_experts]);
+  ASSERT_LE(p.offsets[s.num_local_experts], megamoe_routing_capacity(&s));
+  for (int64_t b = 0; b < int64_t(p.block_expert.size()); ++b) {
+    if (b >= p.num_blocks) {
+      EXPECT_EQ(p.block_expert[b], -1);
+      continue;
+    }
+    const int32_t e = p.block_expert[b];
+    ASSERT_GE(e, 0);
+    EXPECT_GE(b * 128, p.offsets[e]);
+    EXPECT_LT(b * 128, p.offsets[e + 1]);
+  }
+  std::vector<int32_t> last_route(s.num_local_experts, -1);
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t e = c.ids[r] - s.expert_begin;
+    const int32_t slot = p.route_to_slot[r];
+    if (e < 0 || e >= s.num_local_experts) {
+      EXPECT_EQ(slot, -1) << "route " << r;
+      continue;
+    }
+    ASSERT_GE(slot, p.offsets[e]);
+    ASSERT_LT(slot, p.offsets[e] + expected_counts[e]);
+    EXPECT_EQ(p.slot_to_route[slot], r);
+    EXPECT_GT(r, last_route[e]);  // route order kept inside each expert
+    last_route[e] = int32_t(r);
+  }
+  int64_t used = std::count_if(p.slot_to_route.begin(), p.slot_to_route.end(),
+                               [](int32_t r) { return r >= 0; });
+  int64_t local_routes = 0;
+  for (int32_t n : expected_counts) local_routes += n;
+  EXPECT_EQ(used, local_routes);
+}
+
+class RoutingTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RoutingTest, HostPlanMatchesDefinition) {
+  const Case& c = GetParam();
+  HostPlan plan(c.shape);
+  auto view = plan.view();
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &c.shape, &view), MEGAMOE_OK)
+      << megamoe_last_error();
+  expect_valid_plan(c, plan);
+}
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(ptr, 0x5a, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);  // poison
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  std::vector<T> to_host() const {
+    std::vector<T> out(count);
+    if (count) EXPECT_EQ(cudaMemcpy(out.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+};
+
+TEST_P(RoutingTest, CudaPlanMatchesHost) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  const auto& s = c.shape;
+  HostPlan expected(s);
+  auto expected_view = expected.view();
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &s, &expected_view), MEGAMOE_OK);
+
+  DeviceBuffer<int32_t> ids(c.ids.size()), counts(s.num_local_experts),
+      offsets(s.num_local_experts + 1), route_to_slot(c.ids.size()),
+      slot_to_route(megamoe_routing_capacity(&s)), block_expert(megamoe_routing_max_blocks(&s)),
+      scalars(2);
+  DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
+  if (!c.ids.empty()) {
+    ASSERT_EQ(cudaMemcpy(ids.ptr, c.ids.data(), c.ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  megamoe_routing_plan plan{counts.ptr,       offsets.ptr,      route_to_slot.ptr,
+                            slot_to_route.ptr, block_expert.ptr, scalars.ptr,
+                            scalars.ptr + 1,   workspace.ptr};
+  ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, &s, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  EXPECT_EQ(counts.to_host(), expected.counts);
+  EXPECT_EQ(offsets.to_host(), expected.offsets);
+  EXPECT_EQ(route_to_slot.to_host(), expected.route_to_slot);
+  EXPECT_EQ(slot_to_route.to_host(), expected.slot_to_route);
+  EXPECT_EQ(block_expert.to_host(), expected.block_expert);
+  const auto both = scalars.to_host();
+  EXPECT_EQ(both[0], expected.num_blocks);
+  EXPECT_EQ(both[1], expected.num_invalid);
+}
+
+INSTANTIATE_TEST_SUITE_P(Routings, RoutingTest, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(RoutingValidation, RejectsBadShapes) {
+  std::vector<int32_t> buf(4096, 0);
+  int32_t scalar[2];
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
+                            scalar,     scalar + 1, nullptr};
+  struct Bad {
+    megamoe_routing_shape shape;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {{-1, 8, 16, 0, 16}, "num_tokens must be >= 0"},
+      {{4, 0, 16, 0, 16}, "top_k must be >= 1"},
+      {{4, 8, 16, 8, 16}, "must lie inside [0, 16)"},
+      {{4, 8, 16, 0, 0}, "must lie inside"},
+      {{int64_t(1) << 30, 8, 16, 0, 16}, "exceeds the 32-bit slot index range"},
+  };
+  for (const auto& b : bad) {
+    EXPECT_EQ(megamoe_build_routing_host(buf.data(), &b.shape, &plan), MEGAMOE_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(megamoe_last_error()).find(b.message), std::string::npos)
+        << megamoe_last_error();
+  }
+}
+
+TEST(RoutingValidation, CapacityBoundsEveryRouting) {
+  // Worst case: every expert gets one route, each padded to a full block.
+  megamoe_routing_shape s{16, 8, 128, 0, 128};
+  EXPECT_EQ(megamoe_routing_capacity(&s), 128 + 128 * 128);
+  EXPECT_EQ(megamoe_routing_max_blocks(&s), 1 + 128);
+}
+
+}  // namespace
