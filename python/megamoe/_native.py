@@ -1,0 +1,92 @@
+"""Loads the C++/CUDA core (libmegamoe.so) through its C ABI.
+
+The core has no PyTorch types, so one native build serves every PyTorch version; tensors cross
+as raw pointers plus the current CUDA stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+MEGAMOE_OK = 0
+BLOCK_M = 128
+
+_LIBRARY_NAME = "libmegamoe.so"
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    found = []
+    if os.environ.get("MEGAMOE_LIBRARY"):
+        found.append(Path(os.environ["MEGAMOE_LIBRARY"]))
+    found.append(here / "lib" / _LIBRARY_NAME)  # installed by `pip install .`
+    found.append(here.parents[1] / "build" / _LIBRARY_NAME)  # a source checkout built with CMake
+    return found
+
+
+class RoutingShape(ctypes.Structure):
+    _fields_ = [("num_tokens", ctypes.c_int64), ("top_k", ctypes.c_int32),
+                ("num_experts", ctypes.c_int32), ("expert_begin", ctypes.c_int32),
+                ("num_local_experts", ctypes.c_int32)]
+
+
+class RoutingPlanPointers(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert",
+        "num_blocks", "num_invalid", "workspace")]
+
+
+_SIGNATURES = {
+    "megamoe_last_error": (ctypes.c_char_p, []),
+    "megamoe_routing_capacity": (ctypes.c_int64, [ctypes.POINTER(RoutingShape)]),
+    "megamoe_routing_max_blocks": (ctypes.c_int64, [ctypes.POINTER(RoutingShape)]),
+    "megamoe_routing_workspace_bytes": (ctypes.c_size_t, [ctypes.POINTER(RoutingShape)]),
+    "megamoe_build_routing_cuda": (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.POINTER(RoutingShape), ctypes.POINTER(RoutingPlanPointers),
+        ctypes.c_void_p]),
+    "megamoe_build_routing_host": (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.POINTER(RoutingShape), ctypes.POINTER(RoutingPlanPointers)]),
+    "megamoe_grouped_gemm_bf16": (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
+}
+
+
+class NativeLibraryError(RuntimeError):
+    pass
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded core; raises with build instructions when it is missing."""
+    for path in _candidates():
+        if path.is_file():
+            lib = ctypes.CDLL(str(path))
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                if hasattr(lib, name):
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+            return lib
+    searched = ", ".join(str(p) for p in _candidates())
+    raise NativeLibraryError(
+        f"megamoe's native library ({_LIBRARY_NAME}) was not found (searched: {searched}). "
+        "Install the package with `pip install .`, or build it with `cmake -S . -B build && "
+        "cmake --build build`, or point MEGAMOE_LIBRARY at the .so.")
+
+
+def is_available() -> bool:
+    try:
+        library()
+    except NativeLibraryError:
+        return False
+    return True
+
+
+def check(status: int, what: str) -> None:
+    if status != MEGAMOE_OK:
+        message = library().megamoe_last_error().decode(errors="replace")
+        error = ValueError if status == 1 else RuntimeError
+        raise error(f"{what}: {message}")

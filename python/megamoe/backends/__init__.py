@@ -1,0 +1,6 @@
+"""MoE backends: the same math (DESIGN.md §1) through different implementations."""
+
+from .grouped import grouped_moe
+from .naive import naive_moe
+
+__all__ = ["grouped_moe", "naive_moe"]

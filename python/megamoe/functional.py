@@ -1,0 +1,40 @@
+"""The functional API (DESIGN.md §2): one MoE layer's experts through a chosen backend."""
+
+from __future__ import annotations
+
+from .backends import grouped_moe, naive_moe
+from .validation import BACKENDS, check_moe_inputs, check_precision
+
+_BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
+
+
+def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: str = "bf16",
+        group=None):
+    """y [T, H] = Σ_k p[t, k] · expert(topk_ids[t, k])(x[t]); differentiable w.r.t. x,
+    topk_weights, w13 and w2. See DESIGN.md §1 for the math and the weight layouts."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_precision(precision, x.device if hasattr(x, "device") else None)
+    problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group)
+    if backend == "fused":
+        return _fused(x, topk_ids, topk_weights, w13, w2, precision, group)
+    if precision != "bf16":
+        raise NotImplementedError(
+            f"precision={precision!r} is only planned for the fused backend; the {backend!r} "
+            "baseline computes in the inputs' dtype (use precision='bf16')")
+    if problem.num_experts != problem.num_local_experts:
+        raise NotImplementedError(
+            f"the {backend!r} baseline runs all experts on one rank; expert parallelism over a "
+            "group of several ranks is not implemented for it (pass group=None)")
+    return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2)
+
+
+def fused_moe(x, topk_ids, topk_weights, w13, w2, precision: str = "bf16", group=None):
+    """The fused persistent-kernel backend (`moe(..., backend="fused")`)."""
+    return moe(x, topk_ids, topk_weights, w13, w2, backend="fused", precision=precision, group=group)
+
+
+def _fused(x, topk_ids, topk_weights, w13, w2, precision, group):
+    raise NotImplementedError(
+        "backend='fused' is not built yet (the persistent Hopper kernel is in progress); "
+        "use backend='grouped' meanwhile")

@@ -1,0 +1,68 @@
+"""The routing plan through the Python API: host reference invariants, and GPU == host."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.routing import build_routing
+
+from conftest import requires_cuda
+
+
+def check_plan(plan, ids, num_experts, expert_begin=0):
+    num_local = plan.expert_counts.numel()
+    local = ids.long().flatten() - expert_begin
+    is_local = (local >= 0) & (local < num_local)
+    counts = torch.bincount(local[is_local], minlength=num_local)
+    assert torch.equal(plan.expert_counts.long(), counts)
+    padded = (counts + 127) // 128 * 128
+    assert torch.equal(plan.expert_offsets.long(), torch.cat([torch.zeros(1), padded.cumsum(0)]).long())
+    slots = plan.route_to_slot.flatten().long()
+    assert torch.all(slots[~is_local] == -1)
+    assert torch.equal(plan.slot_to_route[slots[is_local]].long(), is_local.nonzero().flatten())
+    blocks = int(plan.num_blocks)
+    assert blocks * 128 == int(plan.expert_offsets[-1])
+    block_rows = torch.arange(blocks) * 128
+    assert torch.equal(plan.block_expert[:blocks].long(),
+                       torch.searchsorted(plan.expert_offsets.long(), block_rows, right=True) - 1)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("tokens", [0, 1, 333, 4096])
+def test_host_plan(routing, tokens):
+    ids, _ = megamoe.make_routing(tokens, 64, 6, routing)
+    ids[::5, 1] = -1
+    check_plan(build_routing(ids, 64), ids, 64)
+
+
+def test_host_plan_for_a_slice_of_experts():
+    ids, _ = megamoe.make_routing(1000, 32, 4)
+    plan = build_routing(ids, 32, expert_begin=8, num_local_experts=8)
+    check_plan(plan, ids, 32, expert_begin=8)
+
+
+def test_invalid_ids_are_counted_and_dropped_from_the_plan():
+    ids = torch.tensor([[0, 9], [-3, 1]], dtype=torch.int32)
+    plan = build_routing(ids, 4)
+    assert int(plan.num_invalid) == 2
+    assert plan.route_to_slot.tolist() == [[0, -1], [-1, 128]]
+
+
+def test_bad_plan_arguments_raise():
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"must lie inside \[0, 4\)"):
+        build_routing(ids, 4, expert_begin=2, num_local_experts=4)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        build_routing(ids.long(), 4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("tokens", [1, 4095, 65536])
+def test_cuda_plan_equals_host_plan(routing, tokens):
+    ids, _ = megamoe.make_routing(tokens, 128, 8, routing)
+    ids[::7, 3] = -1
+    host = build_routing(ids, 128)
+    device = build_routing(ids.cuda(), 128)
+    for field in host.__dataclass_fields__:
+        assert torch.equal(getattr(device, field).cpu(), getattr(host, field)), field

@@ -1,0 +1,93 @@
+"""Every validation rule of the public API: the bad input and the message a user sees."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.shapes import MoEShape
+
+SHAPE = MoEShape(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2)
+
+
+def good_inputs():
+    return list(megamoe.make_inputs(SHAPE, 16))
+
+
+def replaced(index, value):
+    inputs = good_inputs()
+    inputs[index] = value(inputs) if callable(value) else value
+    return inputs
+
+
+X, IDS, WEIGHTS, W13, W2 = range(5)
+
+BAD_INPUTS = {
+    "x_not_tensor": (replaced(X, [[1.0]]), TypeError, "x must be a torch.Tensor"),
+    "x_rank": (replaced(X, lambda i: i[X][None]), ValueError, r"x must be \[T, H\]"),
+    "x_dtype": (replaced(X, lambda i: i[X].to(torch.int32)), TypeError, "x must be a floating tensor"),
+    "ids_rows": (replaced(IDS, lambda i: i[IDS][:-1]), ValueError, r"topk_ids must be \[T, K\] with T = 16"),
+    "ids_dtype": (replaced(IDS, lambda i: i[IDS].float()), TypeError, "topk_ids must be int32 or int64"),
+    "ids_too_large": (replaced(IDS, lambda i: i[IDS].masked_fill(i[IDS] == i[IDS][0, 0], 4)), ValueError,
+                      r"topk_ids must lie in \[-1, 4\)"),
+    "ids_below_minus_one": (replaced(IDS, lambda i: i[IDS].masked_fill(i[IDS] == i[IDS][0, 0], -2)),
+                            ValueError, r"topk_ids must lie in \[-1, 4\)"),
+    "weights_shape": (replaced(WEIGHTS, lambda i: i[WEIGHTS][:, :1]), ValueError,
+                      "topk_weights must have topk_ids' shape"),
+    "weights_dtype": (replaced(WEIGHTS, lambda i: i[WEIGHTS].half()), TypeError,
+                      "topk_weights must be float32"),
+    "w13_rank": (replaced(W13, lambda i: i[W13][0]), ValueError, r"w13 must be \[E_local, 2I, H\]"),
+    "w13_hidden": (replaced(W13, lambda i: i[W13][..., :32]), ValueError, "has H = 32 but x has H = 64"),
+    "w13_odd": (replaced(W13, lambda i: i[W13][:, :63]), ValueError, "second dim is 2I"),
+    "w2_shape": (replaced(W2, lambda i: i[W2][:, :, :16]), ValueError, r"w2 must be \[E_local, H, I\]"),
+    "w2_experts": (replaced(W2, lambda i: i[W2][:3]), ValueError, r"w2 must be \[E_local, H, I\]"),
+    "dtype_mismatch": (replaced(W2, lambda i: i[W2].float()), TypeError, "must share one dtype"),
+    "non_contiguous": (replaced(X, lambda i: i[X].t().contiguous().t()), ValueError, "x must be contiguous"),
+    "non_contiguous_weights": (replaced(W13, lambda i: i[W13].transpose(1, 2).contiguous().transpose(1, 2)),
+                               ValueError, "w13 must be contiguous"),
+    "no_experts": (replaced(W13, lambda i: i[W13][:0]), ValueError, "no experts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("backend", ["naive", "grouped", "fused"])
+def test_bad_input_raises_clear_error(case, backend):
+    inputs, error, message = BAD_INPUTS[case]
+    with pytest.raises(error, match=message):
+        megamoe.moe(*inputs, backend=backend)
+
+
+def test_top_k_larger_than_experts():
+    x, _, _, w13, w2 = good_inputs()
+    ids = torch.zeros(16, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="top_k = 5 exceeds the number of experts 4"):
+        megamoe.moe(x, ids, torch.ones(16, 5), w13, w2, backend="grouped")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_devices():
+    inputs = good_inputs()
+    inputs[X] = inputs[X].cuda()
+    with pytest.raises(ValueError, match="all inputs must be on one device"):
+        megamoe.moe(*inputs, backend="grouped")
+
+
+def test_unknown_backend_and_precision():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        megamoe.moe(*good_inputs(), backend="magic")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        megamoe.moe(*good_inputs(), backend="grouped", precision="int4")
+
+
+def test_mxfp8_names_the_hopper_alternative():
+    with pytest.raises(NotImplementedError, match="on Hopper use precision='fp8'"):
+        megamoe.moe(*good_inputs(), backend="fused", precision="mxfp8")
+
+
+def test_baselines_compute_in_bf16_only():
+    with pytest.raises(NotImplementedError, match="use precision='bf16'"):
+        megamoe.moe(*good_inputs(), backend="grouped", precision="fp8")
+
+
+def test_fused_backend_not_built_yet_says_what_to_use():
+    with pytest.raises(NotImplementedError, match="use backend='grouped'"):
+        megamoe.fused_moe(*good_inputs())
