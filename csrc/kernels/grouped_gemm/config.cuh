@@ -1,0 +1,85 @@
+// Tile shape, pipeline depth and shared-memory layout of the BF16 grouped GEMM.
+//
+// A CTA computes one 128 x BLOCK_N tile of C at a time: the 128 rows are one pool block (one
+// expert), split between two math warpgroups (64 rows each, one wgmma m64nBLOCK_Nk16 per 16 of K).
+// Operand tiles are 64 elements deep in K, i.e. exactly one 128-byte swizzle row, so TMA's
+// SWIZZLE_128B box and wgmma's 128B-swizzled K-major descriptor describe the same bytes.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/megamoe.h"
+
+namespace megamoe::grouped_gemm {
+
+constexpr int kBlockM = MEGAMOE_BLOCK_M;  // one pool block per tile: one expert per tile
+constexpr int kBlockK = 64;               // 64 bf16 = 128 bytes = one swizzle-atom row
+constexpr int kSwizzleBytes = 128;
+constexpr int kMathWarpgroups = 2;
+constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;  // 64 = wgmma M
+constexpr int kThreads = 128 * (1 + kMathWarpgroups);      // producer warpgroup + math warpgroups
+constexpr int kMathWarps = kMathWarpgroups * 4;
+
+// Registers per thread after setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536 per SM.
+constexpr int kProducerRegisters = 40;
+constexpr int kMathRegisters = 232;
+
+// Epilogue: each math warpgroup stores its 64 rows in 64-column chunks (128-byte rows, so the
+// chunk can use the 128B swizzle: conflict-free stmatrix, and TMA undoes the swizzle on the way
+// out). Two chunk buffers per warpgroup let one TMA store drain while the next chunk is written.
+constexpr int kEpiCols = 64;
+constexpr int kEpiBuffers = 2;
+constexpr int kEpiChunkBytes = kWarpgroupRows * kEpiCols * 2;  // 8 KB
+
+// sm_90 opt-in limit of dynamic shared memory per block (227 KB).
+constexpr int kSharedMemoryLimit = 232448;
+// Dynamic shared memory is only guaranteed 16-byte aligned; swizzled tiles need 1024.
+constexpr int kAlignSlack = 1024;
+constexpr int kMaxStages = 8;
+
+template <int BlockN>
+struct Config {
+  static_assert(BlockN == 128 || BlockN == 256, "BLOCK_N must be 128 or 256 (wgmma N <= 256)");
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = BlockN * kBlockK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
+  static constexpr int kEpiChunks = BlockN / kEpiCols;
+  static_assert(kEpiChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
+  // As many stages as fit next to the epilogue buffers and the 2 mbarriers per stage.
+  static constexpr int kStages = [] {
+    int s = (kSharedMemoryLimit - kAlignSlack - kEpiBytes) / kStageBytes;
+    while (s * (kStageBytes + 16) + kEpiBytes + kAlignSlack > kSharedMemoryLimit) --s;
+    return s < kMaxStages ? s : kMaxStages;
+  }();
+  static_assert(kStages >= 3, "pipeline too shallow");
+  static constexpr int kSmemBytes = kAlignSlack + kStages * kStageBytes + kEpiBytes + kStages * 16;
+  static_assert(kSmemBytes <= kSharedMemoryLimit);
+  // Each math thread holds 64 x BLOCK_N / 128 fp32 accumulators.
+  static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
+};
+
+// Shared memory, carved from the 1024-aligned start of the dynamic allocation:
+//   [A stage 0..S-1][B stage 0..S-1][epilogue chunks][full barriers][empty barriers]
+// Every tile and chunk size is a multiple of 1024, so every tile starts on a swizzle-atom boundary.
+template <class Cfg>
+struct SharedStorage {
+  uint8_t* base;
+
+  __device__ explicit SharedStorage(uint8_t* raw)
+      : base(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))) {}
+
+  __device__ uint8_t* a(int stage) const { return base + stage * Cfg::kABytes; }
+  __device__ uint8_t* b(int stage) const { return base + Cfg::kStages * Cfg::kABytes + stage * Cfg::kBBytes; }
+  __device__ uint8_t* epi(int warpgroup, int buffer) const {
+    return base + Cfg::kStages * Cfg::kStageBytes +
+           (warpgroup * kEpiBuffers + buffer) * kEpiChunkBytes;
+  }
+  __device__ uint64_t* full(int stage) const {
+    return reinterpret_cast<uint64_t*>(base + Cfg::kStages * Cfg::kStageBytes + Cfg::kEpiBytes) + stage;
+  }
+  __device__ uint64_t* empty(int stage) const { return full(Cfg::kStages) + stage; }
+};
+
+}  // namespace megamoe::grouped_gemm

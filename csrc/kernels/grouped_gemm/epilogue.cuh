@@ -1,0 +1,76 @@
+// Epilogue: fp32 accumulators -> bf16 (one rounding) -> swizzled shared chunk -> TMA store.
+//
+// A math warpgroup owns 64 rows of the tile and writes them in 64-column chunks through two chunk
+// buffers; it never waits for its stores to reach global memory, only (before reusing a buffer) for
+// the store issued two chunks earlier to have finished reading shared memory. The next tile's main
+// loop therefore overlaps the tail of this tile's stores.
+//
+// wgmma's accumulator fragment: in warp w of the warpgroup, lane l holds for each 8-column group j
+// acc[4j + 0..1] = row 16w + l/4, columns 8j + 2(l%4) + {0,1}, and acc[4j + 2..3] = row + 8.
+// That is exactly stmatrix's per-lane fragment of an 8x8 matrix, so one stmatrix.x4 stores the
+// 16 x 16 block of groups j, j+1: matrices (rows 0-7, j), (rows 8-15, j), (rows 0-7, j+1),
+// (rows 8-15, j+1); lane l supplies the address of row l % 8 of matrix l / 8.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "kernels/grouped_gemm/config.cuh"
+
+namespace megamoe::grouped_gemm {
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> low half = lower column
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Named barrier over one math warpgroup (id 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+  cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));
+}
+
+template <class Cfg, class Smem>
+__device__ void store_tile(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* tma_c,
+                           const Smem& smem, int warpgroup, int row0, int col0) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x / 32) % 4;
+  const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
+  const int matrix = lane / 8;
+  const int row = warp * 16 + (matrix % 2) * 8 + lane % 8;  // row inside the warpgroup's 64
+#pragma unroll
+  for (int c = 0; c < Cfg::kEpiChunks; ++c) {
+    uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
+    // The store that last read this buffer was issued kEpiBuffers chunks ago (possibly in the
+    // previous tile: kEpiChunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
+    if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
+    warpgroup_sync(warpgroup);
+#pragma unroll
+    for (int p = 0; p < kEpiCols / 16; ++p) {
+      const int j = c * (kEpiCols / 8) + 2 * p;  // first 8-column group of this 16 x 16 block
+      const int group = 2 * p + matrix / 2;      // 16-byte chunk of the 128-byte row, unswizzled
+      auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
+      cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]),
+                                    pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
+                                    pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
+                                    pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]),
+                                    *reinterpret_cast<cute::uint128_t*>(dst));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
+    warpgroup_sync(warpgroup);
+    if (leader) {
+      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk, col0 + c * kEpiCols, row0);
+      cute::tma_store_arrive();
+    }
+  }
+}
+
+// Before the CTA exits, its last stores must have finished reading shared memory.
+__device__ __forceinline__ void drain_stores() {
+  if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+}
+
+}  // namespace megamoe::grouped_gemm
