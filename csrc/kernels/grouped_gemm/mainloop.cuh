@@ -70,7 +70,7 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
 
 // One thread streams every tile's A and B k-blocks into the ring. A tile's B rows are those of
 // its block's expert: B is addressed as one [E_local * N, K] matrix, so one descriptor serves all
-// experts. A block id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
+// experts. An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
 template <class Cfg, class Smem>
 __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const Smem& smem,
                                  TileScheduler sched, const int32_t* __restrict__ block_expert, int n,
