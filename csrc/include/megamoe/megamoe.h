@@ -58,6 +58,19 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_sh
                                const megamoe_routing_plan* plan);
 
 // ---------------------------------------------------------------------------------------------
+// Dispatch and combine on one rank (bf16 rows, hidden size a multiple of 8).
+// dispatch: pool[r] = x[slot_to_route[r] / K] for the live pool rows (r < 128 * *num_blocks);
+//           padding rows are zeroed, rows past the live blocks are not touched.
+// combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
+//           in ascending k, fp32, rounded once (deterministic).
+// ---------------------------------------------------------------------------------------------
+int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* slot_to_route,
+                          const int32_t* num_blocks, int64_t max_blocks, int32_t top_k,
+                          int32_t hidden, void* stream);
+int megamoe_combine_bf16(const void* routed, const float* topk_weights, const int32_t* route_to_slot,
+                         void* y, int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream);
+
+// ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).
 // For every block b < *num_blocks with local expert e = block_expert[b]:
 //   C[128 b : 128 b + 128, :] = A[128 b : 128 b + 128, :] · B[e]ᵀ
