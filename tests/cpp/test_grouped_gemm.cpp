@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <random>
 #include <sstream>
@@ -107,18 +108,18 @@ std::vector<GemmCase> cases() {
 }
 
 struct Plan {
-  std::vector<int32_t> counts, offsets, block_expert;
+  std::vector<int32_t> counts, offsets, block_expert, route_to_slot, slot_to_route;
   int32_t num_blocks = 0;
   int64_t max_blocks = 0;
 };
 
-// Builds the routing plan on the GPU (as the real pipeline does); num_blocks stays on the device in
-// `num_blocks_dev`, a host copy comes back for checking.
-Plan build_plan(const GemmCase& c, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
-                DeviceBuffer<int32_t>& num_blocks_dev) {
-  const megamoe_routing_shape s{c.tokens, c.top_k, c.experts, 0, c.experts};
-  DeviceBuffer<int32_t> ids_dev(ids.size()), counts(c.experts), offsets(c.experts + 1),
-      route_to_slot(ids.size()), slot_to_route(megamoe_routing_capacity(&s)), num_invalid(1);
+// Builds the routing plan on the GPU (as the real pipeline does); num_blocks and slot_to_route stay
+// on the device in the caller's buffers (slot_to_route sized megamoe_routing_capacity), host copies
+// come back for checking.
+Plan build_plan(const megamoe_routing_shape& s, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
+                DeviceBuffer<int32_t>& num_blocks_dev, DeviceBuffer<int32_t>& slot_to_route) {
+  const int e = s.num_local_experts;
+  DeviceBuffer<int32_t> ids_dev(ids.size()), counts(e), offsets(e + 1), route_to_slot(ids.size()), num_invalid(1);
   DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
   ids_dev.upload(ids);
   megamoe_routing_plan plan{counts.ptr, offsets.ptr, route_to_slot.ptr, slot_to_route.ptr,
@@ -129,9 +130,18 @@ Plan build_plan(const GemmCase& c, const std::vector<int32_t>& ids, DeviceBuffer
   p.counts = counts.download();
   p.offsets = offsets.download();
   p.block_expert = block_expert.download();
+  p.route_to_slot = route_to_slot.download();
+  p.slot_to_route = slot_to_route.download();
   p.num_blocks = num_blocks_dev.download()[0];
   p.max_blocks = megamoe_routing_max_blocks(&s);
   return p;
+}
+
+Plan build_plan(const GemmCase& c, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
+                DeviceBuffer<int32_t>& num_blocks_dev) {
+  const megamoe_routing_shape s{c.tokens, c.top_k, c.experts, 0, c.experts};
+  DeviceBuffer<int32_t> slot_to_route(megamoe_routing_capacity(&s));
+  return build_plan(s, ids, block_expert, num_blocks_dev, slot_to_route);
 }
 
 bool is_real_row(const Plan& p, int64_t row) {
@@ -139,45 +149,57 @@ bool is_real_row(const Plan& p, int64_t row) {
   return row - p.offsets[e] < p.counts[e];
 }
 
-// Host reference over the real rows, compared with the kernel's output; reports the worst tiles.
+std::vector<float> to_float(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = from_bf16(v[i]);
+  return f;
+}
+
+// fp32 dot product in a fixed order (8 partial sums), as close to the tensor cores as a host gets.
+double dot(const float* x, const float* w, int k) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < k; i += 8) {
+    for (int j = 0; j < 8; ++j) s[j] += x[i + j] * w[i + j];
+  }
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// The kernel's output against a host reference, per 128-column tile of each pool block; reports
+// the worst tiles.
 struct Comparison {
   double rel_error = 0;
   int64_t non_finite = 0;
   std::string worst;
 };
 
-Comparison compare(const Plan& p, const GemmCase& c, const std::vector<uint16_t>& a,
-                   const std::vector<uint16_t>& b, const std::vector<uint16_t>& out) {
-  const int n = c.n, k = c.k;
-  std::vector<float> af(a.size()), bf(b.size());
-  for (size_t i = 0; i < a.size(); ++i) af[i] = from_bf16(a[i]);
-  for (size_t i = 0; i < b.size(); ++i) bf[i] = from_bf16(b[i]);
+// A row to check: the pool row it comes from, and the row of `out` (n columns) holding it.
+struct CheckedRow {
+  int64_t pool_row;
+  int64_t out_row;
+};
+
+// ref(pool_row, col) is the reference value; rows are checked on up to 32 host threads.
+Comparison compare_rows(const Plan& p, int n, const std::vector<CheckedRow>& rows,
+                        const std::function<double(int64_t, int)>& ref, const std::vector<uint16_t>& out) {
   const int col_tiles = n / 128;
   const int64_t tiles = int64_t(p.num_blocks) * col_tiles;
   std::vector<double> err2(tiles, 0), ref2(tiles, 0);
   std::vector<int64_t> bad(tiles, 0);
+  // Each thread owns whole pool blocks, so the per-tile sums need no locking.
   auto work = [&](int64_t first_block, int64_t stride) {
-    for (int64_t blk = first_block; blk < p.num_blocks; blk += stride) {
-      const float* w = bf.data() + int64_t(p.block_expert[blk]) * n * k;
-      for (int64_t row = blk * MEGAMOE_BLOCK_M; row < (blk + 1) * MEGAMOE_BLOCK_M; ++row) {
-        if (!is_real_row(p, row)) continue;
-        const float* x = af.data() + row * k;
-        for (int col = 0; col < n; ++col) {
-          const float* wr = w + int64_t(col) * k;
-          float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int i = 0; i < k; i += 8) {
-            for (int j = 0; j < 8; ++j) s[j] += x[i + j] * wr[i + j];
-          }
-          const double ref = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-          const double got = from_bf16(out[row * n + col]);
-          const int64_t t = blk * col_tiles + col / 128;
-          if (!std::isfinite(got)) {
-            ++bad[t];
-          } else {
-            err2[t] += (got - ref) * (got - ref);
-          }
-          ref2[t] += ref * ref;
+    for (const CheckedRow& r : rows) {
+      const int64_t blk = r.pool_row / MEGAMOE_BLOCK_M;
+      if (blk % stride != first_block) continue;
+      for (int col = 0; col < n; ++col) {
+        const double want = ref(r.pool_row, col);
+        const double got = from_bf16(out[r.out_row * n + col]);
+        const int64_t t = blk * col_tiles + col / 128;
+        if (!std::isfinite(got)) {
+          ++bad[t];
+        } else {
+          err2[t] += (got - want) * (got - want);
         }
+        ref2[t] += want * want;
       }
     }
   };
@@ -206,6 +228,26 @@ Comparison compare(const Plan& p, const GemmCase& c, const std::vector<uint16_t>
   }
   r.worst = os.str();
   return r;
+}
+
+// Every real row of the live blocks, written in place (plain GEMM, SwiGLU).
+std::vector<CheckedRow> real_rows(const Plan& p) {
+  std::vector<CheckedRow> rows;
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (is_real_row(p, row)) rows.push_back({row, row});
+  }
+  return rows;
+}
+
+// Pool: real rows uniform in [-1, 1], padding rows of live blocks and every row past them NaN.
+std::vector<uint16_t> make_pool(const Plan& p, int k, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<uint16_t> a(p.max_blocks * MEGAMOE_BLOCK_M * k, kNaNPoison);
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (!is_real_row(p, row)) continue;
+    for (int i = 0; i < k; ++i) a[row * k + i] = to_bf16(dist(rng));
+  }
+  return a;
 }
 
 class GroupedGemmTest : public ::testing::TestWithParam<GemmCase> {};
@@ -250,7 +292,13 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> out = c_dev.download();
 
-  const Comparison r = compare(p, c, a, b, out);
+  const std::vector<float> af = to_float(a), bf = to_float(b);
+  const Comparison r = compare_rows(
+      p, n, real_rows(p),
+      [&](int64_t row, int col) {
+        return dot(af.data() + row * k, bf.data() + (int64_t(p.block_expert[row / MEGAMOE_BLOCK_M]) * n + col) * k, k);
+      },
+      out);
   EXPECT_EQ(r.non_finite, 0) << "worst tiles:" << r.worst;
   EXPECT_LE(r.rel_error, 1e-2) << "worst tiles:" << r.worst;
   RecordProperty("rel_error", std::to_string(r.rel_error));
@@ -346,6 +394,303 @@ TEST(GroupedGemmValidation, EmptyPoolIsANoOp) {
   const auto* ip = reinterpret_cast<const int32_t*>(buf);
   EXPECT_EQ(megamoe_grouped_gemm_bf16(buf, buf, buf, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused epilogues: GEMM1 + SwiGLU, GEMM2 + scatter to combine slots.
+// ---------------------------------------------------------------------------------------------
+
+// A rank's view: global experts, of which [local_begin, local_begin + local_experts) are local.
+// n, k are the GEMM's (SwiGLU: n = intermediate, k = hidden; scatter: n = hidden, k = intermediate).
+struct FusedCase {
+  std::string name;
+  int64_t tokens;
+  int top_k;
+  int experts;
+  int local_begin, local_experts;
+  int n, k;
+  uint32_t seed;
+};
+
+void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
+
+megamoe_routing_shape fused_shape(const FusedCase& c) {
+  return {c.tokens, c.top_k, c.experts, c.local_begin, c.local_experts};
+}
+int fused_hot(const FusedCase& c) { return c.local_begin; }                            // ~40% of routes
+int fused_empty(const FusedCase& c) { return c.local_begin + c.local_experts / 2; }  // no routes
+
+// 5% masked routes (-1), ~40% to the hot local expert, the rest uniform over the other global
+// experts (so some are not local) except the empty one.
+std::vector<int32_t> make_fused_ids(const FusedCase& c) {
+  std::mt19937 rng(c.seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int> other(0, c.experts - 2);
+  std::vector<int32_t> ids(c.tokens * c.top_k);
+  for (auto& id : ids) {
+    const double x = u(rng);
+    const int e = other(rng);
+    id = x < 0.05 ? -1 : x < 0.45 ? fused_hot(c) : (e >= fused_empty(c) ? e + 1 : e);
+  }
+  return ids;
+}
+
+// Weights uniform in [-s, s] with s = 6 / sqrt(k): outputs of std ~2, so SwiGLU sees both the
+// linear and the saturated part of the sigmoid.
+std::vector<uint16_t> make_weights(int64_t count, int k, std::mt19937& rng) {
+  const float s = 6.f / std::sqrt(float(k));
+  std::uniform_real_distribution<float> dist(-s, s);
+  std::vector<uint16_t> w(count);
+  for (auto& v : w) v = to_bf16(dist(rng));
+  return w;
+}
+
+// Builds the plan and asserts it covers what the fused tests are for.
+class FusedTest : public ::testing::TestWithParam<FusedCase> {
+ protected:
+  Plan plan_for(const FusedCase& c, DeviceBuffer<int32_t>& block_expert, DeviceBuffer<int32_t>& num_blocks,
+                DeviceBuffer<int32_t>& slot_to_route) {
+    const Plan p = build_plan(fused_shape(c), make_fused_ids(c), block_expert, num_blocks, slot_to_route);
+    const int hot = fused_hot(c) - c.local_begin, empty = fused_empty(c) - c.local_begin;
+    EXPECT_EQ(p.counts[empty], 0) << "an empty expert";
+    EXPECT_GE((p.counts[hot] + MEGAMOE_BLOCK_M - 1) / MEGAMOE_BLOCK_M, 2) << "an expert with several blocks";
+    EXPECT_TRUE(std::any_of(p.counts.begin(), p.counts.end(), [](int32_t n) { return n % MEGAMOE_BLOCK_M != 0; }))
+        << "a partially filled block";
+    EXPECT_LT(p.num_blocks, p.max_blocks) << "blocks past num_blocks to keep untouched";
+    EXPECT_TRUE(std::any_of(p.route_to_slot.begin(), p.route_to_slot.end(), [](int32_t s) { return s < 0; }))
+        << "masked or non-local routes";
+    // The plan is a bijection between live routes and real pool rows: a kernel that writes each
+    // real pool row r to slot_to_route[r] only then writes every live route exactly once.
+    for (size_t r = 0; r < p.route_to_slot.size(); ++r) {
+      const int32_t slot = p.route_to_slot[r];
+      if (slot >= 0) EXPECT_EQ(p.slot_to_route[slot], int32_t(r)) << "route " << r;
+    }
+    return p;
+  }
+};
+
+std::vector<FusedCase> swiglu_cases() {
+  return {
+      {"small", 300, 2, 4, 0, 4, 256, 256, 11},
+      {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 12},  // odd tile count, 10 k-blocks
+      {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 13},
+      {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 14},  // I = 768, H = 2048, ~2700 rows
+  };
+}
+
+std::vector<FusedCase> scatter_cases() {
+  return {
+      {"small", 300, 2, 4, 0, 4, 256, 256, 21},
+      {"n384_k640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 22},  // N % 256 != 0: 128-wide tile
+      {"many_tiles", 10000, 4, 8, 0, 8, 256, 128, 23},
+      {"qwen3_30b", 500, 8, 16, 4, 8, 2048, 768, 24},  // H = 2048, I = 768
+  };
+}
+
+class SwigluTest : public FusedTest {};
+
+TEST_P(SwigluTest, MatchesHostReference) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const FusedCase& c = GetParam();
+  const megamoe_routing_shape shape = fused_shape(c);
+  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
+  const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+  if (HasFailure()) return;
+
+  const int inter = c.n, hidden = c.k;
+  std::mt19937 rng(c.seed * 7919u);
+  const std::vector<uint16_t> a = make_pool(p, hidden, rng);
+  const std::vector<uint16_t> w13 = make_weights(int64_t(c.local_experts) * 2 * inter * hidden, hidden, rng);
+  DeviceBuffer<uint16_t> a_dev(a.size()), w_dev(w13.size()), h_dev(max_blocks * MEGAMOE_BLOCK_M * inter);
+  a_dev.upload(a);
+  w_dev.upload(w13);
+  ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);  // kCPoison everywhere
+  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, block_expert.ptr, num_blocks.ptr,
+                                             max_blocks, inter, hidden, c.local_experts, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> out = h_dev.download();
+
+  const std::vector<float> af = to_float(a), wf = to_float(w13);
+  const Comparison r = compare_rows(
+      p, inter, real_rows(p),
+      [&](int64_t row, int col) {
+        const float* x = af.data() + row * hidden;
+        const float* w = wf.data() + int64_t(p.block_expert[row / MEGAMOE_BLOCK_M]) * 2 * inter * hidden;
+        const float g = float(dot(x, w + int64_t(col) * hidden, hidden));
+        const float u = float(dot(x, w + int64_t(inter + col) * hidden, hidden));
+        return double(g / (1.0f + std::exp(-g)) * u);
+      },
+      out);
+  EXPECT_EQ(r.non_finite, 0) << "worst tiles:" << r.worst;
+  EXPECT_LE(r.rel_error, 1e-2) << "worst tiles:" << r.worst;
+  std::cout << "  swiglu " << c.name << ": " << p.num_blocks << " blocks, rel error " << r.rel_error << "\n";
+  const size_t live = size_t(p.num_blocks) * MEGAMOE_BLOCK_M * inter;
+  EXPECT_TRUE(std::all_of(out.begin() + live, out.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "rows past num_blocks were written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(swiglu_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+class ScatterTest : public FusedTest {};
+
+TEST_P(ScatterTest, EveryRouteRowWrittenOnce) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const FusedCase& c = GetParam();
+  const megamoe_routing_shape shape = fused_shape(c);
+  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
+  const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+  if (HasFailure()) return;
+
+  const int n = c.n, k = c.k;
+  const int64_t routes = c.tokens * c.top_k;
+  std::mt19937 rng(c.seed * 7919u);
+  const std::vector<uint16_t> h = make_pool(p, k, rng);
+  const std::vector<uint16_t> w2 = make_weights(int64_t(c.local_experts) * n * k, k, rng);
+  DeviceBuffer<uint16_t> h_dev(h.size()), w_dev(w2.size()), out_dev(routes * n);
+  h_dev.upload(h);
+  w_dev.upload(w2);
+  auto run = [&](int64_t num_out_rows) {
+    EXPECT_EQ(cudaMemset(out_dev.ptr, 0xFF, out_dev.count * 2), cudaSuccess);  // kCPoison everywhere
+    EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(h_dev.ptr, w_dev.ptr, out_dev.ptr, slot_to_route.ptr,
+                                                block_expert.ptr, num_blocks.ptr, max_blocks, n, k,
+                                                c.local_experts, num_out_rows, nullptr),
+              MEGAMOE_OK)
+        << megamoe_last_error();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return out_dev.download();
+  };
+  auto poison_row = [&](const std::vector<uint16_t>& out, int64_t route) {
+    return std::all_of(out.begin() + route * n, out.begin() + (route + 1) * n,
+                       [](uint16_t v) { return v == kCPoison; });
+  };
+
+  const std::vector<uint16_t> out = run(routes);
+  ASSERT_FALSE(HasFailure());
+  std::vector<CheckedRow> rows;
+  int64_t untouched = 0;
+  for (int64_t route = 0; route < routes; ++route) {
+    const int32_t slot = p.route_to_slot[route];
+    if (slot >= 0) {
+      rows.push_back({slot, route});
+    } else {
+      ++untouched;
+      EXPECT_TRUE(poison_row(out, route)) << "masked / non-local route " << route << " was written";
+    }
+  }
+  const std::vector<float> hf = to_float(h), wf = to_float(w2);
+  const Comparison r = compare_rows(
+      p, n, rows,
+      [&](int64_t slot, int col) {
+        const int64_t e = p.block_expert[slot / MEGAMOE_BLOCK_M];
+        return dot(hf.data() + slot * k, wf.data() + (e * n + col) * k, k);
+      },
+      out);
+  EXPECT_EQ(r.non_finite, 0) << "worst tiles:" << r.worst;
+  EXPECT_LE(r.rel_error, 1e-2) << "worst tiles:" << r.worst;
+  std::cout << "  scatter " << c.name << ": " << p.num_blocks << " blocks, " << rows.size() << " routes written, "
+            << untouched << " untouched, rel error " << r.rel_error << "\n";
+
+  // The guard: with num_out_rows = half, routes past it stay poison and the rest are bit-identical.
+  const int64_t half = routes / 2;
+  const std::vector<uint16_t> again = run(half);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_TRUE(std::equal(again.begin(), again.begin() + half * n, out.begin()))
+      << "rows below num_out_rows differ (or the kernel is not deterministic)";
+  for (int64_t route = half; route < routes; ++route) {
+    EXPECT_TRUE(poison_row(again, route)) << "route " << route << " >= num_out_rows was written";
+    if (HasFailure()) break;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ScatterTest, ::testing::ValuesIn(scatter_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Validation happens before any CUDA call, so these run without a GPU.
+TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  struct Bad {
+    const void* a;
+    const void* w;
+    void* h;
+    const int32_t* block_expert;
+    int64_t max_blocks;
+    int32_t inter, hidden, experts;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {nullptr, p, p, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
+      {p, nullptr, p, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
+      {p, p, nullptr, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
+      {p, p, p, nullptr, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
+      {p, p, p, ip, 4, 0, 256, 2, "intermediate must be a positive multiple of 128, got 0"},
+      {p, p, p, ip, 4, 200, 256, 2, "intermediate must be a positive multiple of 128, got 200"},
+      {p, p, p, ip, 4, 256, 96, 2, "hidden must be a positive multiple of 128, got 96"},
+      {p, p, p, ip, 4, 256, -128, 2, "hidden must be a positive multiple of 128, got -128"},
+      {p, p, p, ip, 4, 256, 256, 0, "num_local_experts must be >= 1"},
+      {p, p, p, ip, -1, 256, 256, 2, "max_blocks must be >= 0"},
+      {p, buf + 4, p, ip, 4, 256, 256, 2, "16-byte aligned"},
+      {p, p, p, ip, int64_t(1) << 25, 256, 256, 2, "exceeds the 32-bit row range"},
+      {p, p, p, ip, 4, 1 << 20, 256, 2048, "num_local_experts * 2 * intermediate exceeds"},
+  };
+  for (const auto& x : bad) {
+    EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(x.a, x.w, x.h, x.block_expert, ip, x.max_blocks, x.inter, x.hidden,
+                                               x.experts, nullptr),
+              MEGAMOE_ERROR_INVALID_ARGUMENT)
+        << x.message;
+    EXPECT_NE(std::string(megamoe_last_error()).find(x.message), std::string::npos) << megamoe_last_error();
+  }
+  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
+      << "an empty pool is a no-op: " << megamoe_last_error();
+}
+
+TEST(GroupedGemmScatterValidation, RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  struct Bad {
+    const void* h;
+    const void* w;
+    void* out;
+    const int32_t* slot_to_route;
+    const int32_t* block_expert;
+    int64_t max_blocks;
+    int32_t n, k, experts;
+    int64_t out_rows;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {nullptr, p, p, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
+      {p, nullptr, p, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
+      {p, p, nullptr, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
+      {p, p, p, nullptr, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
+      {p, p, p, ip, nullptr, 4, 256, 256, 2, 8, "block_expert and num_blocks must be non-null"},
+      {p, p, p, ip, ip, 4, 100, 256, 2, 8, "n must be a positive multiple of 128, got 100"},
+      {p, p, p, ip, ip, 4, 256, 64, 2, 8, "k must be a positive multiple of 128, got 64"},
+      {p, p, p, ip, ip, 4, 256, 256, 0, 8, "num_local_experts must be >= 1"},
+      {p, p, p, ip, ip, -2, 256, 256, 2, 8, "max_blocks must be >= 0"},
+      {p, p, p, ip, ip, 4, 256, 256, 2, -1, "num_out_rows must be >= 0"},
+      {p, p, buf + 8, ip, ip, 4, 256, 256, 2, 8, "16-byte aligned"},
+      {p, p, p, ip, ip, int64_t(1) << 25, 256, 256, 2, 8, "exceeds the 32-bit row range"},
+      {p, p, p, ip, ip, 4, 1 << 20, 256, 4096, 8, "num_local_experts * n exceeds"},
+  };
+  for (const auto& x : bad) {
+    EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(x.h, x.w, x.out, x.slot_to_route, x.block_expert, ip, x.max_blocks,
+                                                x.n, x.k, x.experts, x.out_rows, nullptr),
+              MEGAMOE_ERROR_INVALID_ARGUMENT)
+        << x.message;
+    EXPECT_NE(std::string(megamoe_last_error()).find(x.message), std::string::npos) << megamoe_last_error();
+  }
+  EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(p, p, p, ip, ip, ip, 0, 256, 256, 2, 8, nullptr), MEGAMOE_OK)
+      << "an empty pool is a no-op: " << megamoe_last_error();
+  EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(p, p, p, ip, ip, ip, 4, 256, 256, 2, 0, nullptr), MEGAMOE_OK)
+      << "no output rows is a no-op: " << megamoe_last_error();
 }
 
 }  // namespace

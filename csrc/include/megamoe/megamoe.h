@@ -82,6 +82,33 @@ int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32
                               const int32_t* num_blocks, int64_t max_blocks, int32_t n, int32_t k,
                               int32_t num_local_experts, void* stream);
 
+// ---------------------------------------------------------------------------------------------
+// GEMM1 of the expert MLP with SwiGLU fused into the epilogue (same kernel, same plan arguments).
+// For every block b < *num_blocks with local expert e = block_expert[b] and its 128 rows:
+//   g = A · w13[e][0 : I]ᵀ,  u = A · w13[e][I : 2I]ᵀ   (fp32 accumulation)
+//   H = silu(g) ⊙ u,  silu(g) = g / (1 + exp(-g)) in fp32, rounded once to bf16
+// A [max_blocks * 128, hidden] bf16; w13 [E_local, 2 * intermediate, hidden] bf16 (rows [0, I) =
+// gate, [I, 2I) = up: the gate_up_proj layout); H [max_blocks * 128, intermediate] bf16.
+// intermediate and hidden must be multiples of 128.
+// ---------------------------------------------------------------------------------------------
+int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, void* h, const int32_t* block_expert,
+                                     const int32_t* num_blocks, int64_t max_blocks, int32_t intermediate,
+                                     int32_t hidden, int32_t num_local_experts, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// GEMM2 of the expert MLP with the rows scattered to their combine slots.
+// For every block b < *num_blocks with local expert e = block_expert[b], each pool row r of it:
+//   out_rows[slot_to_route[r], :] = H[r, :] · w2[e]ᵀ      (fp32 accumulation, one bf16 rounding)
+// H [max_blocks * 128, K] bf16; w2 [E_local, N, K] bf16 (down_proj layout: N = hidden,
+// K = intermediate); out_rows [num_out_rows, N] bf16 (row t * top_k + k). Rows with
+// slot_to_route -1 (padding) or >= num_out_rows are not written; nor is any row no pool row maps
+// to (masked or non-local routes keep their contents). N and K must be multiples of 128.
+// ---------------------------------------------------------------------------------------------
+int megamoe_grouped_gemm_scatter_bf16(const void* h, const void* w2, void* out_rows, const int32_t* slot_to_route,
+                                      const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks,
+                                      int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
+                                      void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,16 +37,21 @@ constexpr int kSharedMemoryLimit = 232448;
 constexpr int kAlignSlack = 1024;
 constexpr int kMaxStages = 8;
 
-template <int BlockN>
+// BBoxes: how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
+// boxes of BLOCK_N / 2 rows from different places of B, stacked in one tile (SwiGLU: the gate rows
+// and the matching up rows), armed on the same full barrier with the same total byte count.
+template <int BlockN, int BBoxes = 1>
 struct Config {
   static_assert(BlockN == 128 || BlockN == 256, "BLOCK_N must be 128 or 256 (wgmma N <= 256)");
+  static_assert(BBoxes == 1 || BBoxes == 2, "one or two B boxes per stage");
   static constexpr int kBlockN = BlockN;
+  static constexpr int kBBoxes = BBoxes;
+  static constexpr int kBBoxRows = BlockN / BBoxes;
+  static constexpr int kBBoxBytes = kBBoxRows * kBlockK * 2;  // a multiple of 1024: boxes stay atom-aligned
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = BlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
-  static constexpr int kEpiChunks = BlockN / kEpiCols;
-  static_assert(kEpiChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   // As many stages as fit next to the epilogue buffers and the 2 mbarriers per stage.
   static constexpr int kStages = [] {
     int s = (kSharedMemoryLimit - kAlignSlack - kEpiBytes) / kStageBytes;

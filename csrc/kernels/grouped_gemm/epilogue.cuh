@@ -1,4 +1,5 @@
-// Epilogue: fp32 accumulators -> bf16 (one rounding) -> swizzled shared chunk -> TMA store.
+// Epilogue building blocks and the plain GEMM's epilogue: fp32 accumulators -> bf16 (one rounding)
+// -> swizzled shared chunk -> TMA store.
 //
 // A math warpgroup owns 64 rows of the tile and writes them in 64-column chunks through two chunk
 // buffers; it never waits for its stores to reach global memory, only (before reusing a buffer) for
@@ -10,6 +11,10 @@
 // That is exactly stmatrix's per-lane fragment of an 8x8 matrix, so one stmatrix.x4 stores the
 // 16 x 16 block of groups j, j+1: matrices (rows 0-7, j), (rows 8-15, j), (rows 0-7, j+1),
 // (rows 8-15, j+1); lane l supplies the address of row l % 8 of matrix l / 8.
+//
+// Epilogue policies (this file's PlainEpilogue, SwigluEpilogue, ScatterEpilogue) give the kernel:
+//   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, block, warpgroup) -> Rows
+//   (per-tile values loaded before the main loop, to hide their latency), store(...), drain().
 #pragma once
 
 #include <cuda.h>
@@ -33,32 +38,43 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));
 }
 
-template <class Cfg, class Smem>
-__device__ void store_tile(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* tma_c,
-                           const Smem& smem, int warpgroup, int row0, int col0) {
+// Writes fragment columns [64 c, 64 c + 64) of the warpgroup's 64 rows, as bf16, into a chunk
+// buffer: row r at r * 128 bytes, its 16-byte groups permuted by r % 8 (128B swizzle).
+// c must be a compile-time constant after unrolling (it indexes registers).
+template <int N>
+__device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_t* chunk) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x / 32) % 4;
-  const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
   const int matrix = lane / 8;
   const int row = warp * 16 + (matrix % 2) * 8 + lane % 8;  // row inside the warpgroup's 64
 #pragma unroll
-  for (int c = 0; c < Cfg::kEpiChunks; ++c) {
+  for (int p = 0; p < kEpiCols / 16; ++p) {
+    const int j = c * (kEpiCols / 8) + 2 * p;  // first 8-column group of this 16 x 16 block
+    const int group = 2 * p + matrix / 2;      // 16-byte chunk of the 128-byte row, unswizzled
+    auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
+    cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]),
+                                  pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
+                                  pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
+                                  pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]),
+                                  *reinterpret_cast<cute::uint128_t*>(dst));
+  }
+}
+
+// Stores fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by TMA.
+template <int Chunks, int N, class Smem>
+__device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CUtensorMap* tma_c, const Smem& smem,
+                                                 int warpgroup, int row0, int col0) {
+  static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
+  static_assert(Chunks * kEpiCols * kWarpgroupRows <= N * 128, "more columns than the fragment holds");
+  const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
+#pragma unroll
+  for (int c = 0; c < Chunks; ++c) {
     uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
     // The store that last read this buffer was issued kEpiBuffers chunks ago (possibly in the
-    // previous tile: kEpiChunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
+    // previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
     if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
     warpgroup_sync(warpgroup);
-#pragma unroll
-    for (int p = 0; p < kEpiCols / 16; ++p) {
-      const int j = c * (kEpiCols / 8) + 2 * p;  // first 8-column group of this 16 x 16 block
-      const int group = 2 * p + matrix / 2;      // 16-byte chunk of the 128-byte row, unswizzled
-      auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
-      cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]),
-                                    pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
-                                    pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
-                                    pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]),
-                                    *reinterpret_cast<cute::uint128_t*>(dst));
-    }
+    stage_chunk(acc, c, chunk);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     warpgroup_sync(warpgroup);
     if (leader) {
@@ -72,5 +88,24 @@ __device__ void store_tile(const float (&acc)[Cfg::kAccumulators], const CUtenso
 __device__ __forceinline__ void drain_stores() {
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
 }
+
+// C[128 b.., n-tile..] = the tile, through a TMA map of C with 64 x 64 boxes.
+template <int BlockN>
+struct PlainEpilogue {
+  using Cfg = Config<BlockN>;
+  struct Params {
+    CUtensorMap c;
+  };
+  struct Rows {};
+
+  __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.c); }
+  __device__ static Rows prepare(const Params&, int, int) { return {}; }
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
+                               const SharedStorage<Cfg>& smem, int warpgroup, int block, int n_tile, Rows) {
+    tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, block * kBlockM + warpgroup * kWarpgroupRows,
+                                        n_tile * BlockN);
+  }
+  __device__ static void drain() { drain_stores(); }
+};
 
 }  // namespace megamoe::grouped_gemm

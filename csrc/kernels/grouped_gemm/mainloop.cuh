@@ -68,25 +68,36 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
-// One thread streams every tile's A and B k-blocks into the ring. A tile's B rows are those of
-// its block's expert: B is addressed as one [E_local * N, K] matrix, so one descriptor serves all
-// experts. An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
+// Where a tile's B rows are: B is addressed as one [E_local * rows_per_expert, K] matrix, so one
+// descriptor serves all experts. Box i of n-tile t of expert e starts at row
+// e * rows_per_expert + i * box_stride + t * kBBoxRows (box_stride is unused with one box).
+struct BRows {
+  int rows_per_expert;
+  int box_stride;
+};
+
+// One thread streams every tile's A and B k-blocks into the ring. An expert id outside
+// [0, E_local) would read out of bounds, which TMA fills with zeros.
 template <class Cfg, class Smem>
 __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const Smem& smem,
-                                 TileScheduler sched, const int32_t* __restrict__ block_expert, int n,
+                                 TileScheduler sched, const int32_t* __restrict__ block_expert, BRows b_rows,
                                  int k_blocks) {
   constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
   PipelineState<Cfg::kStages> state;
   for (; sched.valid(); sched.advance()) {
     const int block = sched.block();
     const int a_row = block * kBlockM;
-    const int b_row = block_expert[block] * n + sched.n_tile() * Cfg::kBlockN;
+    const int b_row = block_expert[block] * b_rows.rows_per_expert + sched.n_tile() * Cfg::kBBoxRows;
     for (int kb = 0; kb < k_blocks; ++kb) {
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
       uint64_t* full = smem.full(state.stage);
-      Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
+      Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);  // A and every B box
       cute::SM90_TMA_LOAD_2D::copy(tma_a, full, kCacheHint, smem.a(state.stage), kb * kBlockK, a_row);
-      cute::SM90_TMA_LOAD_2D::copy(tma_b, full, kCacheHint, smem.b(state.stage), kb * kBlockK, b_row);
+#pragma unroll
+      for (int box = 0; box < Cfg::kBBoxes; ++box) {
+        cute::SM90_TMA_LOAD_2D::copy(tma_b, full, kCacheHint, smem.b(state.stage) + box * Cfg::kBBoxBytes,
+                                     kb * kBlockK, b_row + box * b_rows.box_stride);
+      }
       state.advance();
     }
   }

@@ -1,0 +1,84 @@
+// GEMM2 epilogue: pool row r of the tile goes to out_rows[slot_to_route[r]] (its (token, k)
+// combine slot). Rows are scattered, so whole-tile TMA stores do not apply.
+//
+// Each 64-column chunk is staged bf16 in the swizzled chunk buffer (the plain epilogue's stmatrix
+// path), then read back 16 bytes per thread: 8 consecutive threads take the 8 16-byte pieces of one
+// row (one 128-byte row segment, contiguous and 128-byte aligned in global memory) and a warp
+// covers 4 rows, so every st.global.v4 of a warp writes 4 whole 128-byte lines; the shared reads
+// of 8 threads cover one 128-byte row, all 32 banks (conflict-free whatever the swizzle).
+// 128 threads cover 16 rows per pass, 4 passes per chunk; each thread's 4 routes are loaded before
+// the tile's main loop. Padding rows (route -1) and routes >= num_out_rows are skipped.
+//
+// Buffer reuse: chunk c + 2 overwrites chunk c's buffer only after the barrier of chunk c + 1, which
+// every thread reaches after its reads of chunk c; chunks per tile are even, so this holds across
+// tiles. Generic-proxy writes and reads: bar.sync orders them, no async-proxy fence.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/grouped_gemm/epilogue.cuh"
+
+namespace megamoe::grouped_gemm {
+
+// ld.shared.v4 (a plain dereference of the carved pointer compiles to a generic LD).
+__device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(cute::cast_smem_ptr_to_uint(p)));
+  return v;
+}
+
+template <int BlockN>
+struct ScatterEpilogue {
+  using Cfg = Config<BlockN>;
+  static constexpr int kChunks = BlockN / kEpiCols;
+  static constexpr int kPieces = kEpiCols * 2 / 16;            // 16-byte pieces per chunk row: 8
+  static constexpr int kRowsPerPass = 128 / kPieces;           // 16
+  static constexpr int kPasses = kWarpgroupRows / kRowsPerPass;  // 4
+  static_assert(kChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
+  struct Params {
+    __nv_bfloat16* out;            // [num_out_rows, ld]
+    const int32_t* slot_to_route;  // [max_blocks * 128]
+    int64_t num_out_rows;
+    int ld;                        // N
+  };
+  struct Rows {
+    int32_t route[kPasses];  // output row of each pass's row, or -1: not written
+  };
+
+  __device__ static void prefetch(const Params&) {}
+  __device__ static Rows prepare(const Params& p, int block, int warpgroup) {
+    const int row0 = block * kBlockM + warpgroup * kWarpgroupRows + int(threadIdx.x % 128) / kPieces;
+    Rows r;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int32_t route = __ldg(p.slot_to_route + row0 + pass * kRowsPerPass);
+      r.route[pass] = (route >= 0 && route < p.num_out_rows) ? route : -1;
+    }
+    return r;
+  }
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
+                               const SharedStorage<Cfg>& smem, int warpgroup, int, int n_tile, const Rows& rows) {
+    const int t = int(threadIdx.x % 128);
+    const int piece = t % kPieces;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
+      stage_chunk(acc, c, chunk);
+      warpgroup_sync(warpgroup);
+      const int col = n_tile * BlockN + c * kEpiCols + piece * 8;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = pass * kRowsPerPass + t / kPieces;
+        if (rows.route[pass] >= 0) {
+          const uint4 v = load_shared_16(chunk + row * kSwizzleBytes + ((piece ^ (row % 8)) * 16));
+          *reinterpret_cast<uint4*>(p.out + int64_t(rows.route[pass]) * p.ld + col) = v;
+        }
+      }
+    }
+  }
+  __device__ static void drain() {}
+};
+
+}  // namespace megamoe::grouped_gemm

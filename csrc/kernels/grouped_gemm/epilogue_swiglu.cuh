@@ -1,0 +1,42 @@
+// GEMM1 epilogue: h = silu(g) * u from the fp32 accumulators, one rounding to bf16, TMA store.
+//
+// The B tile of n-tile t is 256 rows: gate rows [128 t, 128 t + 128) of the expert, then up rows
+// [I + 128 t, I + 128 t + 128) (two TMA boxes, Config<256, 2>). So fragment column c < 128 is gate
+// column 128 t + c and column c + 128 the matching up column. In the m64n256 fragment
+// (epilogue.cuh) acc[4j + i] holds column 8j + 2(l%4) + (i%2) of row 16w + l/4 + 8(i/2); adding
+// 128 to the column adds 16 to j, i.e. 64 to the index, and keeps the row. Hence every thread holds
+// its gate values in acc[0, 64) and the matching up values in acc[64, 128), same position for same
+// (row, column): h for acc[x] is silu(acc[x]) * acc[x + 64], and acc[0, 64) is then exactly an
+// m64n128 fragment of the 128-column h tile, which the plain chunk store writes.
+#pragma once
+
+#include "kernels/grouped_gemm/epilogue.cuh"
+
+namespace megamoe::grouped_gemm {
+
+struct SwigluEpilogue {
+  using Cfg = Config<256, 2>;
+  static constexpr int kHCols = Cfg::kBlockN / 2;  // h columns per tile
+  static constexpr int kHalf = Cfg::kAccumulators / 2;
+  struct Params {
+    CUtensorMap h;  // [max_blocks * 128, I], 64 x 64 boxes
+  };
+  struct Rows {};
+
+  __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.h); }
+  __device__ static Rows prepare(const Params&, int, int) { return {}; }
+  __device__ static void store(float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup, int block, int n_tile, Rows) {
+#pragma unroll
+    for (int x = 0; x < kHalf; ++x) {
+      const float g = acc[x];
+      // silu(g) = g / (1 + e^-g); for g < -88 e^-g is inf and the quotient 0, the limit.
+      acc[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
+    }
+    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, block * kBlockM + warpgroup * kWarpgroupRows,
+                                        n_tile * kHCols);
+  }
+  __device__ static void drain() { drain_stores(); }
+};
+
+}  // namespace megamoe::grouped_gemm
