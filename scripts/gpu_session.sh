@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: machine facts, the README's test command (GPU tests included) and
-# the benchmarks, with logs and JSON under $OUT. Stages: env tests bench (default: all).
-#   device run: bash scripts/gpu_session.sh [stage ...]     (carry .whl for nvidia-cutlass offline)
+# the benchmarks, with logs and JSON under $OUT. Stages: env tests gemm bench (default: all).
+#   device run: MEGAMOE_COMMIT=<sha> bash scripts/gpu_session.sh [stage ...]
+# (carry .whl for nvidia-cutlass offline; MEGAMOE_COMMIT names the commit, the copy has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/megamoe-out}
@@ -15,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 status=0
-for stage in ${@:-env tests bench}; do
+for stage in ${@:-env tests gemm bench}; do
   case "$stage" in
     env)
       { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
@@ -24,10 +25,14 @@ for stage in ${@:-env tests bench}; do
         ls -d /usr/include/gtest /usr/src/googletest 2>&1; } 2>&1 | tee "$out/env.txt" ;;
     tests)
       bash tests/run.sh -q 2>&1 | tee "$out/tests.log" || status=1 ;;
+    gemm)
+      MEGAMOE_LIBRARY=$PWD/build/libmegamoe.so PYTHONPATH=$PWD/python:${PYTHONPATH:-} \
+        python3 -m megamoe.bench.gemm --out "$out/bench" 2>&1 | tee "$out/gemm.log" || status=1 ;;
     bench)
-      python3 -m megamoe.bench --out "$out/bench" --plot 2>&1 | tee "$out/bench.log" || status=1 ;;
+      MEGAMOE_LIBRARY=$PWD/build/libmegamoe.so PYTHONPATH=$PWD/python:${PYTHONPATH:-} \
+        python3 -m megamoe.bench --out "$out/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || status=1 ;;
     *)
-      echo "unknown stage $stage (env, tests, bench)"; status=2 ;;
+      echo "unknown stage $stage (env, tests, gemm, bench)"; status=2 ;;
   esac
 done
 exit $status

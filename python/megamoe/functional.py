@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .backends import grouped_moe, naive_moe
+from .fused import check_fused_support, fused_moe_forward
 from .validation import BACKENDS, check_moe_inputs, check_precision
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
@@ -16,25 +17,20 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_precision(precision, x.device if hasattr(x, "device") else None)
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group)
-    if backend == "fused":
-        return _fused(x, topk_ids, topk_weights, w13, w2, precision, group)
     if precision != "bf16":
         raise NotImplementedError(
-            f"precision={precision!r} is only planned for the fused backend; the {backend!r} "
-            "baseline computes in the inputs' dtype (use precision='bf16')")
+            f"precision={precision!r} is planned (block FP8 in the fused kernels); every backend "
+            "runs precision='bf16' today")
     if problem.num_experts != problem.num_local_experts:
         raise NotImplementedError(
-            f"the {backend!r} baseline runs all experts on one rank; expert parallelism over a "
-            "group of several ranks is not implemented for it (pass group=None)")
+            "expert parallelism over a group of several ranks is planned; every backend runs all "
+            "experts on one GPU today (pass group=None)")
+    if backend == "fused":
+        check_fused_support(x, problem.hidden_size, problem.intermediate_size)
+        return fused_moe_forward(x, topk_ids, topk_weights, w13, w2)
     return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2)
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w2, precision: str = "bf16", group=None):
     """The fused persistent-kernel backend (`moe(..., backend="fused")`)."""
     return moe(x, topk_ids, topk_weights, w13, w2, backend="fused", precision=precision, group=group)
-
-
-def _fused(x, topk_ids, topk_weights, w13, w2, precision, group):
-    raise NotImplementedError(
-        "backend='fused' is not built yet (the persistent Hopper kernel is in progress); "
-        "use backend='grouped' meanwhile")

@@ -7,12 +7,24 @@ import megamoe
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import MoEShape
 
-from conftest import DEVICES, requires_cuda
+from conftest import requires_cuda
 
 BASELINES = ["naive", "grouped"]
 TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation
 
-SMALL = MoEShape(hidden_size=128, intermediate_size=64, num_experts=8, top_k=2)
+# H and I are multiples of 128, so the fused kernels take this shape too.
+SMALL = MoEShape(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2)
+
+# (backend, device) pairs: the baselines everywhere, the fused kernels on a GPU.
+BACKEND_DEVICES = [(b, "cpu") for b in BASELINES] + [
+    pytest.param(b, "cuda", marks=requires_cuda) for b in (*BASELINES, "fused")]
+
+
+def poison_cuda_cache(gigabytes: float = 2.0) -> None:
+    """Fills memory the caching allocator will hand out next with NaN, so outputs and
+    intermediates of the next op that are never written show up as NaN."""
+    if torch.cuda.is_available():
+        torch.empty(int(gigabytes * 2**29), dtype=torch.float16, device="cuda").fill_(float("nan"))
 
 
 def edge_case_inputs(case: str, shape: MoEShape, device, seed=0):
@@ -39,13 +51,13 @@ def leaf(t, dtype=None):
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", BASELINES)
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("case", CASES)
 def test_forward_and_gradients_match_reference(backend, case, device):
     x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, device)
     inputs = [leaf(t) for t in (x, weights, w13, w2)]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
+    poison_cuda_cache()
     y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend)
     ref = reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3])
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -63,32 +75,47 @@ def test_forward_and_gradients_match_reference(backend, case, device):
         assert relative_error(got.grad, want.grad) < TOLERANCE, name
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_masked_routes_contribute_nothing(device):
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
+def test_masked_routes_contribute_nothing(backend, device):
     x, ids, weights, w13, w2 = edge_case_inputs("balanced", SMALL, device)
     ids[:10] = -1
-    for backend in BASELINES:
-        xg = leaf(x)
-        y = megamoe.moe(xg, ids, weights, w13, w2, backend=backend)
-        assert torch.all(y[:10] == 0), backend
-        y.float().square().sum().backward()
-        assert torch.all(xg.grad[:10] == 0), backend
+    xg = leaf(x)
+    y = megamoe.moe(xg, ids, weights, w13, w2, backend=backend)
+    assert torch.all(y[:10] == 0)
+    y.float().square().sum().backward()
+    assert torch.all(xg.grad[:10] == 0)
 
 
 @requires_cuda
+@pytest.mark.parametrize("preset,tokens", [("qwen3-30b-a3b", 1000), ("qwen3-235b-a22b", 300)])
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-def test_baselines_at_qwen3_30b_shape(routing):
-    shape = megamoe.PRESETS["qwen3-30b-a3b"]
-    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, 256, routing, device="cuda", seed=3)
+def test_backends_at_model_shapes(preset, tokens, routing):
+    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS[preset], tokens, routing,
+                                                   device="cuda", seed=3)
     ref = reference_moe(x, ids, weights, w13, w2)
-    for backend in BASELINES:
+    for backend in ("fused", *BASELINES):
+        poison_cuda_cache()
         y = megamoe.moe(x, ids, weights, w13, w2, backend=backend)
         assert relative_error(y, ref) < TOLERANCE, backend
 
 
 @requires_cuda
-def test_grouped_is_deterministic():
-    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["tiny"], 1000, "skewed", device="cuda")
-    first = megamoe.moe(x, ids, weights, w13, w2, backend="grouped")
-    second = megamoe.moe(x, ids, weights, w13, w2, backend="grouped")
+@pytest.mark.parametrize("backend", ["fused", "grouped"])
+def test_bitwise_deterministic(backend):
+    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 2048, "skewed",
+                                                   device="cuda")
+    first = megamoe.moe(x, ids, weights, w13, w2, backend=backend)
+    poison_cuda_cache()
+    second = megamoe.moe(x, ids, weights, w13, w2, backend=backend)
     assert torch.equal(first, second)
+
+
+@requires_cuda
+def test_fused_under_torch_compile_fullgraph():
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
+    xg, wg = leaf(x), leaf(weights)
+    compiled = torch.compile(lambda *a: megamoe.moe(*a, backend="fused"), fullgraph=True)
+    y = compiled(xg, ids, wg, w13, w2)
+    assert torch.equal(y, megamoe.moe(x, ids, weights, w13, w2, backend="fused"))
+    y.float().sum().backward()
+    assert xg.grad is not None and wg.grad is not None

@@ -83,11 +83,21 @@ def test_mxfp8_names_the_hopper_alternative():
         megamoe.moe(*good_inputs(), backend="fused", precision="mxfp8")
 
 
-def test_baselines_compute_in_bf16_only():
-    with pytest.raises(NotImplementedError, match="use precision='bf16'"):
-        megamoe.moe(*good_inputs(), backend="grouped", precision="fp8")
+@pytest.mark.parametrize("backend", ["naive", "grouped", "fused"])
+def test_fp8_is_not_there_yet(backend):
+    with pytest.raises(NotImplementedError, match="runs precision='bf16' today"):
+        megamoe.moe(*good_inputs(), backend=backend, precision="fp8")
 
 
-def test_fused_backend_not_built_yet_says_what_to_use():
-    with pytest.raises(NotImplementedError, match="use backend='grouped'"):
+def test_fused_on_cpu_names_the_alternative():
+    with pytest.raises(ValueError, match="use backend='grouped' on the CPU"):
         megamoe.fused_moe(*good_inputs())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_rejects_unsupported_sizes():
+    shape = MoEShape(hidden_size=192, intermediate_size=128, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        megamoe.fused_moe(*megamoe.make_inputs(shape, 16, device="cuda"))
+    with pytest.raises(TypeError, match="computes in bfloat16"):
+        megamoe.fused_moe(*megamoe.make_inputs(SHAPE, 16, device="cuda", dtype=torch.float16))
