@@ -1,0 +1,66 @@
+"""The implementations being compared, each as fn(x, topk_ids, topk_weights, w13, w2) -> y."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+import megamoe
+from megamoe.shapes import MoEShape
+from megamoe.validation import BACKENDS as MOE_BACKENDS
+
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# megamoe.moe's own backends, then what users run today.
+BACKENDS = (*MOE_BACKENDS, "grouped-compiled", "hf-grouped_mm")
+
+
+class Unavailable(Exception):
+    """The backend cannot run in this environment; the message says why."""
+
+
+def build(name: str, shape: MoEShape, precision: str) -> MoEFn:
+    if name in MOE_BACKENDS:
+        return functools.partial(megamoe.moe, backend=name, precision=precision)
+    if name == "grouped-compiled":
+        # dynamic=False: a training run sees one shape and gets kernels specialised for it; the
+        # default would switch to dynamic shapes once the benchmark's second token count appears.
+        return torch.compile(functools.partial(megamoe.moe, backend="grouped", precision=precision),
+                             dynamic=False)
+    if name == "hf-grouped_mm":
+        return _hf_grouped_mm(shape, precision)
+    raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS}")
+
+
+def _hf_grouped_mm(shape: MoEShape, precision: str) -> MoEFn:
+    """transformers' own Qwen3-MoE experts module with its `grouped_mm` experts implementation."""
+    if precision != "bf16":
+        raise Unavailable("transformers' experts run in bf16 only")
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ImportError as error:
+        raise Unavailable(f"transformers with Qwen3-MoE experts implementations not importable: {error}") from error
+    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
+        raise Unavailable("this transformers has no 'grouped_mm' experts implementation")
+
+    config = Qwen3MoeConfig(hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
+                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k,
+                            num_hidden_layers=1, experts_implementation="grouped_mm")
+    # The experts module reads its implementation from config._experts_implementation at every call.
+    config._experts_implementation = "grouped_mm"
+    # On the meta device: the module's own parameters are never allocated; functional_call runs it
+    # on our w13/w2 instead, so it sees the same weights, the gradients land on them, and its
+    # memory figure is not inflated by a second copy of the weights.
+    with torch.device("meta"):
+        experts = Qwen3MoeSparseMoeBlock(config).experts
+
+    def forward(x, topk_ids, topk_weights, w13, w2):
+        # As its router would hand them over: int64 ids, weights in the activations' dtype.
+        return torch.func.functional_call(experts, {"gate_up_proj": w13, "down_proj": w2},
+                                          (x, topk_ids.long(), topk_weights.to(x.dtype)))
+
+    return forward

@@ -1,0 +1,77 @@
+"""Command line of `python -m megamoe.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megamoe.shapes import PRESETS, ROUTINGS
+from megamoe.validation import PRECISIONS
+
+from .backends import BACKENDS
+from .peak import measure_peaks
+from .record import MODES, fill_derived
+from .report import build_result, print_table, write_json
+from .runner import Plan, run_plan
+from .timing import Budget, Device
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megamoe.bench",
+        description="Time MoE-layer backends on the same inputs; print a table and write JSON (and a PNG).")
+    parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384, 65536])
+    parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                        help="default: all; those that cannot run here are recorded as skipped, with the reason")
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="fwd: forward under no_grad; fwdbwd: forward + y.backward(dy)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--budget", type=float, default=2.0, metavar="SECONDS",
+                        help="rough time per measurement: slow backends get fewer repeats (at least 3)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu only for smoke tests: its times say nothing about the kernels")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device; --device cpu runs a smoke test")
+    if min(args.tokens) < 1 or args.warmup < 0 or args.repeat < 1:
+        parser.error("--tokens and --repeat must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = Device(torch.device(args.device))
+    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget)
+    plan = Plan(presets=list(dict.fromkeys(args.preset)),
+                tokens=list(dict.fromkeys(args.tokens)),
+                routings=list(dict.fromkeys(args.routing)),
+                backends=list(dict.fromkeys(args.backends)),
+                precisions=list(dict.fromkeys(args.precision)),
+                modes=[m for m in MODES if m in args.modes],  # fwd first, so fwdbwd's memory figure is kept
+                budget=budget)
+
+    peaks = measure_peaks(device, budget)
+    records = run_plan(plan, device)
+    fill_derived(records, peaks.bf16_tflops)
+    settings = {"device": args.device, "warmup": args.warmup, "repeat": args.repeat, "budget_s": args.budget}
+    result = build_result(records, peaks, device.name(), "python -m megamoe.bench " + shlex.join(argv), settings)
+    paths = write_json(result, args.out)
+    print_table(result)
+    if args.plot:
+        from .plot import write_chart  # matplotlib only when asked for
+
+        write_chart(result, [p.with_suffix(".png") for p in paths])
+    print(f"wrote {', '.join(str(p) for p in paths)}" + (" (+ .png)" if args.plot else ""))
+    return 0

@@ -1,0 +1,120 @@
+"""Timing and memory measurement: CUDA events on a GPU, perf_counter on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# Slow backends get fewer repeats (see Budget.seconds), but never fewer than this: a median of
+# one or two samples is too easily thrown by a single hiccup.
+MIN_REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    warmup: int  # warm-up iterations (at most; a slow backend stops after 2 once `seconds` is spent)
+    repeat: int  # timed iterations (at most)
+    seconds: float  # rough wall-clock allowance per measurement; bounds the repeats of slow backends
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    median_ms: float
+    repeats: int
+    peak_extra_bytes: int | None  # device memory allocated on top of what was live before; None on CPU
+
+
+class Device:
+    """The few device operations the benchmark needs, with CPU stand-ins.
+
+    CPU ops run synchronously, so perf_counter marks bracket exactly the work and synchronize is a no-op.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+
+    def name(self) -> str:
+        if self.is_cuda:
+            return torch.cuda.get_device_name(self.device)
+        return f"cpu ({platform.processor() or platform.machine()})"
+
+    def mark(self):
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        """Time between two marks; call after synchronize()."""
+        return start.elapsed_time(end) if self.is_cuda else (end - start) * 1e3
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def free_bytes(self) -> int | None:
+        return torch.cuda.mem_get_info(self.device)[0] if self.is_cuda else None
+
+    def start_peak_tracking(self) -> int | None:
+        """Reset the peak counter; returns the bytes allocated now (the baseline)."""
+        if not self.is_cuda:
+            return None
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_bytes_since(self, baseline: int | None) -> int | None:
+        if baseline is None:
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - baseline
+
+    def release_cached_memory(self) -> None:
+        """After an out-of-memory error: drop dead tensors and hand cached blocks back."""
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+
+def measure(run: Callable[[int], None], reset: Callable[[], None], device: Device,
+            budget: Budget) -> Measurement:
+    """Median time of run(i) over the timed iterations, after warm-up.
+
+    reset() runs before every iteration, outside the timed region (e.g. to drop gradients).
+    Iterations are enqueued back to back without synchronising, so a launch-bound backend is
+    charged for its launch gaps and a GPU-bound one for its kernels only.
+    """
+    spent_s, last_s = 0.0, None
+    for i in range(budget.warmup):
+        reset()
+        start = time.perf_counter()
+        run(i)
+        device.synchronize()
+        last_s = time.perf_counter() - start
+        spent_s += last_s
+        # At least two warm-ups when asked for: the first may include compilation or autotuning.
+        if i >= 1 and spent_s > budget.seconds:
+            break
+    repeats = budget.repeat
+    if last_s is not None:
+        repeats = min(budget.repeat, max(MIN_REPEATS, int(budget.seconds / last_s)))
+
+    reset()
+    baseline = device.start_peak_tracking()
+    marks = []
+    for i in range(repeats):
+        reset()
+        start = device.mark()
+        run(i)
+        marks.append((start, device.mark()))
+    device.synchronize()
+    peak_extra = device.peak_bytes_since(baseline)
+    reset()
+    median_ms = statistics.median(device.elapsed_ms(start, end) for start, end in marks)
+    return Measurement(median_ms, repeats, peak_extra)

@@ -1,0 +1,47 @@
+"""Smoke tests of `python -m megamoe.bench` on the CPU: it runs end to end and writes the JSON contract."""
+
+import json
+
+from megamoe.bench import main
+
+TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
+RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb"}
+SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--repeat", "1"]
+
+
+def read_results(out_dir):
+    latest = json.loads((out_dir / "latest.json").read_text())
+    dated = [p for p in out_dir.glob("*.json") if p.name != "latest.json"]
+    assert len(dated) == 1 and dated[0].name == f"{latest['date'][:10]}_{latest['commit']}.json"
+    assert json.loads(dated[0].read_text()) == latest
+    assert TOP_LEVEL_KEYS <= latest.keys()
+    for record in latest["records"]:
+        assert RECORD_KEYS <= record.keys()
+    return latest
+
+
+def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
+    assert main([*SMOKE, "--backends", "naive", "grouped", "--out", str(tmp_path), "--plot"]) == 0
+    result = read_results(tmp_path)
+    assert result["peak_bf16_tflops"] > 0
+    assert result["command"].startswith("python -m megamoe.bench --device cpu")
+    records = {r["backend"]: r for r in result["records"]}
+    assert sorted(records) == ["grouped", "naive"] and len(result["records"]) == 2
+    for r in records.values():
+        assert (r["preset"], r["tokens"], r["routing"], r["precision"]) == ("tiny", 64, "balanced", "bf16")
+        assert r["skipped"] is None, r["skipped"]
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+        assert r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0
+        assert r["routes"] == 64 * 2  # tiny: K = 2, nothing masked
+        assert r["peak_mem_gb"] is None  # only measured on a GPU
+    assert records["grouped"]["fwd_vs_grouped"] == records["grouped"]["fwdbwd_vs_grouped"] == 1.0
+    assert records["naive"]["fwd_vs_grouped"] > 0
+    assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):
+    args = [*SMOKE, "--backends", "hf-grouped_mm", "--precision", "fp8", "--modes", "fwd"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    (record,) = read_results(tmp_path)["records"]
+    assert record["skipped"] and record["fwd_ms"] is None and record["fwdbwd_ms"] is None
+    assert record["precision"] == "fp8"
