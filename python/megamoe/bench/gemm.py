@@ -1,0 +1,94 @@
+"""GEMM mode: the core's persistent grouped GEMM against torch._grouped_mm, alone, on the MoE
+layer's two GEMM shapes over the same expert-major pool (each expert padded to 128 rows).
+
+    python -m megamoe.bench.gemm [--preset ...] [--tokens ...] [--routing ...] [--out DIR]
+
+TFLOPS count the real routed rows only (2·N·K per route), so padding is charged to the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from megamoe.gemm import grouped_gemm
+from megamoe.reference import relative_error
+from megamoe.routing import build_routing
+from megamoe.shapes import PRESETS, ROUTINGS, make_routing
+
+from .report import git_commit
+from .timing import Budget, Device, measure
+
+
+def gemm_problems(preset: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of GEMM1 (x · w13ᵀ) and GEMM2 (h · w2ᵀ)."""
+    s = PRESETS[preset]
+    return {"gemm1": (2 * s.intermediate_size, s.hidden_size),
+            "gemm2": (s.hidden_size, s.intermediate_size)}
+
+
+def bench_one(preset: str, tokens: int, routing: str, device: Device, budget: Budget) -> list[dict]:
+    shape = PRESETS[preset]
+    g = torch.Generator().manual_seed(0)
+    ids, _ = make_routing(tokens, shape.num_experts, shape.top_k, routing, generator=g)
+    plan = build_routing(ids.cuda(), shape.num_experts)
+    rows = plan.slot_to_route.numel()
+    routes = int((ids >= 0).sum())
+    group_ends = plan.expert_offsets[1:]
+    live_rows = int(plan.expert_offsets[-1])
+    records = []
+    for name, (n, k) in gemm_problems(preset).items():
+        a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(shape.num_experts, n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        ours = grouped_gemm(a, b, plan)[:live_rows]
+        theirs = torch._grouped_mm(a, b.transpose(-2, -1), offs=group_ends)[:live_rows]
+        error = relative_error(ours, theirs)
+        flops = 2 * n * k * routes
+        for backend, fn in (("megamoe", lambda i: grouped_gemm(a, b, plan)),
+                            ("torch._grouped_mm", lambda i: torch._grouped_mm(
+                                a, b.transpose(-2, -1), offs=group_ends))):
+            m = measure(fn, lambda: None, device, budget)
+            records.append({"preset": preset, "tokens": tokens, "routing": routing, "gemm": name,
+                            "n": n, "k": k, "routes": routes, "pool_rows": live_rows,
+                            "backend": backend, "ms": m.median_ms,
+                            "tflops": flops / (m.median_ms * 1e-3) / 1e12,
+                            "rel_error_vs_torch": error})
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe.bench.gemm", description=__doc__)
+    parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16384])
+    parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced", "skewed"])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    device = Device(torch.device("cuda"))
+    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=2.0)
+    records = [r for p in args.preset for t in args.tokens for rt in args.routing
+               for r in bench_one(p, t, rt, device, budget)]
+    result = {"gpu": device.name(), "commit": git_commit(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python -m megamoe.bench.gemm " + " ".join(sys.argv[1:] if argv is None else argv),
+              "records": records}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gemm_latest.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'preset':16} {'tokens':>6} {'routing':9} {'gemm':6} {'backend':18} {'ms':>8} {'TFLOPS':>7} {'rel.err':>8}")
+    for r in records:
+        print(f"{r['preset']:16} {r['tokens']:>6} {r['routing']:9} {r['gemm']:6} {r['backend']:18} "
+              f"{r['ms']:8.3f} {r['tflops']:7.1f} {r['rel_error_vs_torch']:8.1e}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
