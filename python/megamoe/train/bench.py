@@ -1,0 +1,132 @@
+"""`python -m megamoe.train.bench`: training-step time and tokens/s of each backend on one model.
+
+One model (the config's, by default Qwen3-30B-A3B sizes with 4 layers on 16384-token sequences) is
+built once and re-patched per backend; each backend gets warm-up steps, then timed full training
+steps (forward, backward, AdamW). A backend that cannot run (NotImplementedError, out of memory) is
+recorded as skipped, with the reason, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megamoe.hf import patch_hf_model
+from megamoe.validation import BACKENDS
+
+from .cli import config_arguments
+from .config import Config, ConfigError, load_config
+from .data import SyntheticCorpus
+from .results import environment, write_result
+from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
+
+DEFAULT_CONFIG = "configs/qwen3-30b-a3b-small.toml"
+
+
+@dataclasses.dataclass
+class BenchRecord:
+    backend: str
+    precision: str
+    skipped: str | None = None  # why this backend has no time
+    step_ms: float | None = None  # median over the timed steps
+    step_ms_min: float | None = None
+    tokens_per_s: float | None = None
+    vs_grouped: float | None = None  # grouped's step time / this one's: > 1 is faster than grouped
+    peak_mem_gb: float | None = None  # device memory at the peak of a step (GPU only)
+    losses: list[float] = dataclasses.field(default_factory=list)  # warm-up and timed steps
+
+
+def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, steps: int) -> BenchRecord:
+    config = trainer.config
+    record = BenchRecord(backend, config.moe.precision)
+    patch_hf_model(trainer.model, backend=backend, precision=config.moe.precision)
+    cuda = trainer.device.type == "cuda"
+    times = []
+    try:
+        for i in range(warmup + steps):
+            if cuda and i == warmup:
+                torch.cuda.reset_peak_memory_stats(trainer.device)
+            input_ids = corpus.batch(trainer.step, config.train.batch_size, config.train.seq_len)
+            start = time.perf_counter()
+            record.losses.append(trainer.train_step(input_ids).lm_loss)  # ends in a host sync
+            times.append(time.perf_counter() - start)
+    except BACKEND_CANNOT_RUN as error:
+        record.skipped = f"{type(error).__name__}: {error}"
+        trainer.optimizer.zero_grad(set_to_none=True)  # drop what the failed step left behind
+        if cuda:
+            torch.cuda.empty_cache()
+        return record
+    timed = times[warmup:]
+    record.step_ms = 1e3 * statistics.median(timed)
+    record.step_ms_min = 1e3 * min(timed)
+    record.tokens_per_s = config.train.batch_size * config.train.seq_len / statistics.median(timed)
+    if cuda:
+        record.peak_mem_gb = torch.cuda.max_memory_allocated(trainer.device) / 1e9
+    return record
+
+
+def run_bench(config: Config, backends: Sequence[str], warmup: int, steps: int) -> list[BenchRecord]:
+    trainer = Trainer(config)
+    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    records = []
+    for backend in backends:
+        print(f"{backend}: {warmup} warm-up + {steps} timed steps", file=sys.stderr, flush=True)
+        records.append(bench_backend(trainer, corpus, backend, warmup, steps))
+    grouped = next((r for r in records if r.backend == "grouped" and r.step_ms), None)
+    for r in records:
+        if grouped and r.step_ms:
+            r.vs_grouped = grouped.step_ms / r.step_ms
+    return records
+
+
+def print_table(records: Sequence[BenchRecord], tokens: int) -> None:
+    print(f"{'backend':<10}{'step ms':>10}{'tokens/s':>12}{'x grouped':>11}{'mem GB':>8}  "
+          f"(tokens per step: {tokens})")
+    for r in records:
+        if r.skipped:
+            print(f"{r.backend:<10}skipped: {r.skipped[:100]}")
+            continue
+        mem = f"{r.peak_mem_gb:.1f}" if r.peak_mem_gb is not None else "-"
+        ratio = f"{r.vs_grouped:.2f}" if r.vs_grouped is not None else "-"
+        print(f"{r.backend:<10}{r.step_ms:>10.1f}{r.tokens_per_s:>12,.0f}{ratio:>11}{mem:>8}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m megamoe.train.bench", description=__doc__.split("\n\n")[0])
+    config_arguments(parser, DEFAULT_CONFIG)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend (default 3)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per backend (default 10)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        parser.error("--warmup must be >= 0 and --steps >= 1")
+    try:
+        # The learning-rate schedule spans every step this run takes.
+        total_steps = len(args.backends) * (args.warmup + args.steps)
+        config = load_config(args.config, args.set + [f"train.steps={total_steps}"])
+        records = run_bench(config, args.backends, args.warmup, args.steps)
+    except ConfigError as error:
+        parser.error(str(error))
+    tokens = config.train.batch_size * config.train.seq_len
+    result = {**environment(resolve_device(config)),
+              "command": "python -m megamoe.train.bench " + shlex.join(argv),
+              "config": config.to_dict(), "tokens_per_step": tokens, "warmup": args.warmup, "steps": args.steps,
+              "records": [dataclasses.asdict(r) for r in records]}
+    path = write_result(result, args.out, "train")
+    print_table(records, tokens)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

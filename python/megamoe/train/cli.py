@@ -1,0 +1,38 @@
+"""Command line of `python -m megamoe.train`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from .config import ConfigError, load_config
+from .loop import train
+
+
+def config_arguments(parser: argparse.ArgumentParser, default_config: str | None = None) -> None:
+    """--config, --backend and --set, shared by the training, benchmark and parity commands."""
+    default = f"; default {default_config}" if default_config else ""
+    parser.add_argument("--config", required=default_config is None, default=default_config,
+                        help=f"TOML config (see configs/){default}")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.steps=20 (repeatable)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe.train",
+                                     description="Train transformers' Qwen3-MoE with megamoe experts.")
+    config_arguments(parser)
+    parser.add_argument("--backend", help="override [moe].backend, e.g. grouped while fused is not built")
+    parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/checkpoint.pt")
+    args = parser.parse_args(argv)
+    overrides = args.set + ([f"moe.backend={args.backend}"] if args.backend else [])
+    try:
+        config = load_config(args.config, overrides)
+        records = train(config, resume=args.resume)
+    except ConfigError as error:
+        parser.error(str(error))
+    if records:
+        last = records[-1]
+        print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/"
+              "{metrics.jsonl, loss.png}" + (", checkpoint.pt" if config.output.checkpoint_every else ""))
+    return 0

@@ -1,0 +1,223 @@
+"""The TOML training config: sections, defaults, model presets, validation and command-line overrides.
+
+Every mistake raises ConfigError naming the offending key, before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megamoe.shapes import PRESETS, MoEShape
+from megamoe.validation import BACKENDS, PRECISIONS
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """transformers' Qwen3MoeConfig fields; every layer is an MoE layer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's; Qwen3MoeConfig wants it, unused when every layer is MoE
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    backend: str = "fused"
+    precision: str = "bf16"
+    expert_parallel: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float = 3e-4
+    warmup_steps: int = 0  # linear warm-up, then cosine decay to 10% of lr at `steps`
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    seed: int = 0  # model initialisation and data
+    activation_checkpointing: str = "none"  # "none" | "full" (every decoder layer) | "moe" (the experts)
+    device: str = "auto"  # "auto" = cuda when there is a GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Synthetic corpus: sequences are random phrases from a fixed random phrase book."""
+
+    phrases: int = 1024
+    phrase_length: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    dir: str  # metrics.jsonl, loss.png, checkpoint.pt
+    checkpoint_every: int = 0  # steps between checkpoints (and one at the end); 0 = no checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    moe: MoEConfig
+    train: TrainConfig
+    data: DataConfig
+    output: OutputConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _preset(shape: MoEShape, **sizes) -> dict[str, Any]:
+    return dict(hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
+                num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, **sizes)
+
+
+# [model] preset = NAME; explicit keys next to it override the preset's.
+MODEL_PRESETS = {
+    # Qwen3-30B-A3B's real hidden, attention and expert sizes, 4 of its 48 layers, and a small vocabulary
+    # so that the MoE layers, not the embedding, dominate the step.
+    "qwen3-30b-a3b-4layers": _preset(PRESETS["qwen3-30b-a3b"], intermediate_size=6144, num_hidden_layers=4,
+                                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=8192),
+    "tiny": _preset(PRESETS["tiny"], intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=512),
+}
+
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "data": DataConfig,
+            "output": OutputConfig}
+CHECKPOINTING = ("none", "full", "moe")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Reads a TOML config; overrides are "section.key=value" (value in TOML syntax, or a bare string)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    for override in overrides:
+        apply_override(raw, override)
+    return parse_config(raw)
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ConfigError(f"override {override!r} must look like section.key=value, e.g. moe.backend=grouped")
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare word such as grouped
+    table = raw.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"override {override!r}: [{section}] is not a table")
+    table[name] = value
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown section(s) {', '.join(f'[{s}]' for s in unknown)}; known: "
+                          f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+    tables = {}
+    for name in SECTIONS:
+        table = raw.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        tables[name] = dict(table)
+    tables["model"] = _resolve_preset(tables["model"])
+    config = Config(**{name: _build(cls, name, tables[name]) for name, cls in SECTIONS.items()})
+    _validate(config)
+    return config
+
+
+def _resolve_preset(table: dict[str, Any]) -> dict[str, Any]:
+    if "preset" not in table:
+        return table
+    preset = table.pop("preset")
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"[model].preset = {preset!r} is unknown; known presets: {', '.join(MODEL_PRESETS)}")
+    return {**MODEL_PRESETS[preset], **table}
+
+
+def _build(cls, section: str, table: dict[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        extra = " (or preset)" if section == "model" else ""
+        raise ConfigError(f"unknown key(s) {', '.join(f'[{section}].{k}' for k in unknown)}; known keys: "
+                          f"{', '.join(fields)}{extra}")
+    missing = [name for name, f in fields.items()
+               if name not in table and f.default is dataclasses.MISSING]
+    if missing:
+        hint = " (or set [model].preset)" if section == "model" else ""
+        raise ConfigError(f"missing key(s) {', '.join(f'[{section}].{k}' for k in missing)}{hint}")
+    for name, value in table.items():
+        table[name] = _check_type(f"[{section}].{name}", value, fields[name].type)
+    return cls(**table)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _check_type(key: str, value: Any, annotation: str):
+    expected = _TYPES[annotation]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be of type {annotation}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _require(condition: bool, key: str, value: Any, why: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key} = {value!r}: {why}")
+
+
+def _validate(config: Config) -> None:
+    for section in SECTIONS:
+        for name, value in dataclasses.asdict(getattr(config, section)).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                minimum = 0 if name in ("seed", "warmup_steps", "checkpoint_every") else 1
+                _require(value >= minimum, f"[{section}].{name}", value, f"must be >= {minimum}")
+            elif isinstance(value, float):
+                minimum_is_zero = name in ("router_aux_loss_coef", "weight_decay", "grad_clip")
+                _require(value >= 0 if minimum_is_zero else value > 0, f"[{section}].{name}", value,
+                         "must be >= 0" if minimum_is_zero else "must be > 0")
+    model, moe, train = config.model, config.moe, config.train
+    _require(model.num_experts_per_tok <= model.num_experts, "[model].num_experts_per_tok",
+             model.num_experts_per_tok, f"exceeds num_experts = {model.num_experts}")
+    _require(model.num_attention_heads % model.num_key_value_heads == 0, "[model].num_key_value_heads",
+             model.num_key_value_heads, f"must divide num_attention_heads = {model.num_attention_heads}")
+    _require(moe.backend in BACKENDS, "[moe].backend", moe.backend, f"must be one of {', '.join(BACKENDS)}")
+    _require(moe.precision in PRECISIONS, "[moe].precision", moe.precision,
+             f"must be one of {', '.join(PRECISIONS)}")
+    _require(moe.expert_parallel == 1, "[moe].expert_parallel", moe.expert_parallel,
+             "only 1 is supported for now (the training loop runs on one GPU; expert parallelism across "
+             "GPUs is not implemented yet)")
+    _require(train.seq_len >= 2, "[train].seq_len", train.seq_len, "must be >= 2 (next-token prediction)")
+    _require(train.activation_checkpointing in CHECKPOINTING, "[train].activation_checkpointing",
+             train.activation_checkpointing, f"must be one of {', '.join(CHECKPOINTING)}")
+    _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")

@@ -1,0 +1,73 @@
+"""The training loop: progress bar, metrics JSONL, loss-curve PNG, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .config import Config, ConfigError
+from .data import SyntheticCorpus
+from .plot import write_loss_curve
+from .trainer import Trainer
+
+METRICS, PLOT, CHECKPOINT = "metrics.jsonl", "loss.png", "checkpoint.pt"
+
+
+def train(config: Config, resume: bool = False, progress: bool = True) -> list[dict]:
+    """Trains config.train.steps steps (from the checkpoint's step with resume); returns the metrics
+    of every step so far, as written to <output.dir>/metrics.jsonl."""
+    out_dir = Path(config.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = out_dir / CHECKPOINT
+    if checkpoint.exists() and not resume:
+        raise ConfigError(f"{checkpoint} exists: resume it (--resume) or choose another [output].dir")
+    if resume and not checkpoint.exists():
+        raise ConfigError(f"nothing to resume: {checkpoint} does not exist")
+
+    trainer = Trainer(config)
+    if resume:
+        trainer.load(checkpoint)
+    # Steps after the checkpoint (from an interrupted run) are dropped: they are trained again.
+    records = [r for r in _read_metrics(out_dir / METRICS) if r["step"] <= trainer.step] if resume else []
+    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    train_cfg = config.train
+    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+
+    with open(out_dir / METRICS, "w") as metrics:
+        for record in records:
+            metrics.write(json.dumps(record) + "\n")
+        bar = tqdm(total=train_cfg.steps, initial=trainer.step, unit="step", file=sys.stderr,
+                   desc=f"{config.moe.backend}/{config.moe.precision}", disable=not progress)
+        while trainer.step < train_cfg.steps:
+            input_ids = corpus.batch(trainer.step, train_cfg.batch_size, train_cfg.seq_len)
+            start = time.perf_counter()
+            result = trainer.train_step(input_ids)  # ends in a host sync: the time is the step's
+            seconds = time.perf_counter() - start
+            record = {"step": trainer.step, "loss": result.loss, "lm_loss": result.lm_loss,
+                      "aux_loss": result.aux_loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                      "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds,
+                      "backend": config.moe.backend, "precision": config.moe.precision}
+            records.append(record)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.update()
+            bar.set_postfix(loss=f"{result.lm_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            every = config.output.checkpoint_every
+            if every and (trainer.step % every == 0 or trainer.step == train_cfg.steps):
+                trainer.save(checkpoint)
+        bar.close()
+
+    write_loss_curve([r["step"] for r in records], [r["lm_loss"] for r in records], out_dir / PLOT,
+                     title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
+                     floor=corpus.entropy_floor())
+    return records
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

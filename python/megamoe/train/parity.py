@@ -1,0 +1,164 @@
+"""`python -m megamoe.train.parity`: loss curves of several backends from the same initialisation and data.
+
+Each backend trains a freshly built model (same seed, so the same weights) on the same batches, and its
+curve is compared with the reference backend's (naive: transformers' eager loop over experts).
+Backends that cannot run here are recorded as skipped.
+
+Tolerance. Backends compute the same math in bf16 and differ only in rounding (summation order), so:
+- step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound of DESIGN.md §5;
+- after that, training amplifies last-bit differences chaotically: curves wander apart by the run-to-run
+  noise of the training itself, not by an error. That noise is measured, not guessed: the reference
+  trains once more from its initial weights changed by about one bf16 rounding (× (1 + 2^-9·N(0, 1))),
+  and the mean relative gap between its smoothed curve and the reference's is the noise floor. A
+  backend passes when its own gap is at most FLOOR_FACTOR × the floor (one sample of a noisy quantity),
+  and never needs to be below MIN_TOLERANCE. A wrong gradient or route shows as a gap that grows far
+  beyond that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megamoe.validation import BACKENDS
+
+from .cli import config_arguments
+from .config import Config, ConfigError, load_config
+from .data import SyntheticCorpus
+from .plot import write_parity_plot
+from .results import environment, write_result
+from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
+
+DEFAULT_CONFIG = "configs/qwen3-30b-a3b-small.toml"
+# 4096 tokens per step keeps 200 steps × 4 runs within a few minutes on one H200; --set overrides.
+DEFAULT_OVERRIDES = ["train.seq_len=4096", "train.batch_size=1"]
+STEP1_TOLERANCE = 1e-2
+FLOOR_FACTOR = 2.0
+MIN_TOLERANCE = 0.005
+SMOOTHING = 10  # steps of the trailing mean the gaps are measured on
+PERTURBED_SUFFIX = " (perturbed init)"
+PERTURBATION = 2.0**-9  # relative: about one bf16 rounding (8 mantissa bits)
+
+
+@dataclasses.dataclass
+class Curve:
+    name: str  # the backend, or "<reference> (repeat)"
+    losses: list[float]
+    skipped: str | None = None
+
+
+@torch.no_grad()
+def perturb_weights(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        noise = torch.randn(p.shape, generator=generator).to(p.device)
+        p.copy_(p.float() * (1 + PERTURBATION * noise))
+
+
+def train_curve(config: Config, name: str, backend: str, perturbed: bool = False) -> Curve:
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, backend=backend))
+    trainer = Trainer(config)
+    if perturbed:
+        perturb_weights(trainer.model, config.train.seed + 1)
+    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    curve = Curve(name, [])
+    print(f"{name}: {config.train.steps} steps", file=sys.stderr, flush=True)
+    try:
+        while trainer.step < config.train.steps:
+            batch = corpus.batch(trainer.step, config.train.batch_size, config.train.seq_len)
+            curve.losses.append(trainer.train_step(batch).lm_loss)
+    except BACKEND_CANNOT_RUN as error:
+        curve.skipped = f"{type(error).__name__}: {error}"
+    del trainer  # free the model and optimizer before the next backend builds its own
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return curve
+
+
+def smooth(losses: Sequence[float], window: int = SMOOTHING) -> list[float]:
+    """Trailing mean over `window` steps (fewer at the start)."""
+    return [statistics.fmean(losses[max(0, i + 1 - window): i + 1]) for i in range(len(losses))]
+
+
+def compare(curve: Curve, reference: Curve) -> dict:
+    steps = min(len(curve.losses), len(reference.losses))
+    a, b = curve.losses[:steps], reference.losses[:steps]
+    gaps = [abs(x - y) / abs(y) for x, y in zip(smooth(a), smooth(b))]
+    return {"backend": curve.name, "reference": reference.name, "steps": steps,
+            "step1_rel_diff": abs(a[0] - b[0]) / abs(b[0]),
+            "mean_smoothed_rel_gap": statistics.fmean(gaps), "max_smoothed_rel_gap": max(gaps),
+            "max_abs_diff": max(abs(x - y) for x, y in zip(a, b)),
+            "final_loss": statistics.fmean(a[-SMOOTHING:]),
+            "final_loss_reference": statistics.fmean(b[-SMOOTHING:])}
+
+
+def judge(comparison: dict, noise_floor: float, reference_steps: int) -> None:
+    tolerance = max(FLOOR_FACTOR * noise_floor, MIN_TOLERANCE)
+    comparison["tolerance"] = tolerance
+    comparison["within_tolerance"] = (comparison["steps"] == reference_steps
+                                      and comparison["step1_rel_diff"] <= STEP1_TOLERANCE
+                                      and comparison["mean_smoothed_rel_gap"] <= tolerance)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m megamoe.train.parity",
+                                     description=__doc__.split("\n\n")[0],
+                                     epilog=f"defaults: {' '.join(DEFAULT_OVERRIDES)} (--set overrides them)")
+    config_arguments(parser, DEFAULT_CONFIG)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                        help="compared with the reference (default: all)")
+    parser.add_argument("--reference", choices=BACKENDS, default="naive")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2")
+    try:
+        config = load_config(args.config, DEFAULT_OVERRIDES + args.set + [f"train.steps={args.steps}"])
+        reference = train_curve(config, args.reference, args.reference)
+        if reference.skipped:
+            parser.exit(1, f"the reference backend {args.reference} could not run: {reference.skipped}\n")
+        floor_run = train_curve(config, args.reference + PERTURBED_SUFFIX, args.reference, perturbed=True)
+        curves = [reference, floor_run] + [train_curve(config, b, b) for b in args.backends if b != args.reference]
+    except ConfigError as error:
+        parser.error(str(error))
+
+    noise = compare(floor_run, reference)
+    comparisons = [compare(c, reference) for c in curves[2:] if not c.skipped]
+    for comparison in comparisons:
+        judge(comparison, noise["mean_smoothed_rel_gap"], len(reference.losses))
+    result = {**environment(resolve_device(config)),
+              "command": "python -m megamoe.train.parity " + shlex.join(argv), "config": config.to_dict(),
+              "criteria": {"step1_tolerance": STEP1_TOLERANCE, "floor_factor": FLOOR_FACTOR,
+                           "min_tolerance": MIN_TOLERANCE, "smoothing": SMOOTHING, "perturbation": PERTURBATION},
+              "noise_floor": noise, "comparisons": comparisons, "curves": [dataclasses.asdict(c) for c in curves]}
+    path = write_result(result, args.out, "train_parity")
+    write_parity_plot({c.name: c.losses for c in curves if c.losses}, reference.name, path.with_suffix(".png"),
+                      title=f"Qwen3-MoE loss parity, "
+                            f"{config.train.batch_size}×{config.train.seq_len} tokens/step")
+
+    print(f"noise floor ({floor_run.name} vs {reference.name}): mean smoothed gap "
+          f"{noise['mean_smoothed_rel_gap']:.2%}")
+    for c in curves[2:]:
+        if c.skipped:
+            print(f"{c.name}: skipped ({c.skipped[:120]})")
+    for c in comparisons:
+        print(f"{c['backend']} vs {c['reference']}: step-1 rel diff {c['step1_rel_diff']:.1e}, mean smoothed gap "
+              f"{c['mean_smoothed_rel_gap']:.2%} (tolerance {c['tolerance']:.2%}): "
+              f"{'PASS' if c['within_tolerance'] else 'FAIL'}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0 if all(c["within_tolerance"] for c in comparisons) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Loss-curve PNGs (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_loss_curve(steps: Sequence[int], losses: Sequence[float], path: Path, title: str,
+                     floor: float | None = None) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, label="language-model loss")
+    if floor is not None:
+        ax.axhline(floor, color="gray", linestyle="--", label=f"synthetic-data floor {floor:.2f}")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_parity_plot(curves: Mapping[str, Sequence[float]], reference: str, path: Path, title: str) -> None:
+    """Top: every backend's loss per step; bottom: each one's difference to the reference."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
+    for index, (name, losses) in enumerate(curves.items()):
+        steps = range(1, len(losses) + 1)
+        color = f"C{index}"  # the same colour for a backend in both panels
+        top.plot(steps, losses, label=name, linewidth=1, color=color)
+        if name != reference:
+            diffs = [a - b for a, b in zip(losses, curves[reference])]
+            bottom.plot(steps, diffs, label=f"{name} − {reference}", linewidth=1, color=color)
+    top.set(ylabel="loss (nats/token)", title=title)
+    top.legend()
+    bottom.axhline(0, color="gray", linewidth=0.5)
+    bottom.set(xlabel="step", ylabel="loss difference")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,34 @@
+"""Where a result was measured (GPU, commit, date, versions) and how it is written to bench/results/."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+from megamoe.bench.report import git_commit
+from megamoe.bench.timing import Device
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    try:
+        import transformers
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = "not installed"
+    return {"gpu": Device(device).name(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "transformers": transformers_version}
+
+
+def write_result(result: dict, out_dir: Path, name: str) -> Path:
+    """<name>_latest.json plus a dated copy (<name>_<date>_<commit>.json) that later runs keep.
+    Returns the latest path; a plot goes next to it with the same stem."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2) + "\n"
+    (out_dir / f"{name}_{result['date'][:10]}_{result['commit']}.json").write_text(text)
+    latest = out_dir / f"{name}_latest.json"
+    latest.write_text(text)
+    return latest

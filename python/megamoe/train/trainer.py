@@ -1,0 +1,128 @@
+"""transformers' Qwen3MoeForCausalLM, patched with megamoe, in bf16 with AdamW: one training step,
+and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megamoe.hf import patch_hf_model, qwen3_moe_experts
+
+from .config import Config, ConfigError
+
+MIN_LR_FRACTION = 0.1  # cosine decay ends at 10% of the peak learning rate
+# What a step raises when its backend cannot run here: not built yet, another GPU, an unsupported size,
+# dtype or device (megamoe checks these before any kernel runs), or too little memory.
+BACKEND_CANNOT_RUN = (NotImplementedError, ValueError, TypeError, torch.OutOfMemoryError)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    loss: float  # language-model loss + router_aux_loss_coef · aux loss: what is optimised
+    lm_loss: float
+    aux_loss: float
+    grad_norm: float  # before clipping
+    lr: float
+
+
+def resolve_device(config: Config) -> torch.device:
+    if config.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[train].device = 'cuda' but there is no CUDA device (use 'auto' or 'cpu')")
+    return torch.device(config.train.device)
+
+
+def build_model(config: Config, device: torch.device) -> torch.nn.Module:
+    """Qwen3MoeForCausalLM from config.model, initialised from config.train.seed (the same weights for
+    every backend on one device), in bf16, experts through megamoe, with the chosen checkpointing."""
+    try:
+        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    except ImportError as error:
+        raise ImportError("megamoe.train needs transformers >= 5 (pip install 'megamoe[hf]')") from error
+    sizes = dataclasses.asdict(config.model)
+    rope_theta = sizes.pop("rope_theta")
+    hf_config = Qwen3MoeConfig(**sizes, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                               max_position_embeddings=config.train.seq_len, use_cache=False)
+    torch.manual_seed(config.train.seed)
+    # Built in bf16 rather than cast afterwards: a cast would also round the fp32 RoPE frequencies.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision)
+    if config.train.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif config.train.activation_checkpointing == "moe":
+        recompute_experts(model)
+    return model.train()
+
+
+def recompute_experts(model: torch.nn.Module) -> None:
+    """Activation checkpointing of the experts only: their [T·K, 2I] and [T·K, I] intermediates are
+    the bulk of an MoE layer's activations. The router stays outside, so the router logits the model
+    records for its aux loss are recorded once."""
+    for experts in qwen3_moe_experts(model):
+        # The class's forward dispatches on the experts implementation at call time, so patching
+        # the backend later still takes effect.
+        experts.forward = functools.partial(checkpoint, experts.forward, use_reentrant=False)
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = resolve_device(config)
+        self.model = build_model(config, self.device)
+        train = config.train
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # norms
+        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.step = 0  # completed optimizer steps
+
+    def learning_rate(self, step: int) -> float:
+        train = self.config.train
+        if step < train.warmup_steps:
+            return train.lr * (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return train.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+
+    def train_step(self, input_ids: torch.Tensor) -> StepResult:
+        lr = self.learning_rate(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        input_ids = input_ids.to(self.device)
+        out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
+        out.loss.backward()
+        clip = self.config.train.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        coef = self.config.model.router_aux_loss_coef
+        loss, aux_loss, grad_norm = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(),
+                                                 grad_norm.float()]).tolist()  # one host sync
+        return StepResult(loss=loss, lm_loss=loss - coef * aux_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr)
+
+    def save(self, path: Path) -> None:
+        """Atomically (write, then rename): an interrupted save leaves the previous checkpoint intact."""
+        state = {"step": self.step, "config": self.config.to_dict(), "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict()}
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        saved_model = state["config"]["model"]
+        if saved_model != self.config.to_dict()["model"]:
+            raise ConfigError(f"{path} was written for a different [model] ({saved_model}); "
+                              "resume with the config it was trained with")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]

@@ -1,0 +1,116 @@
+"""MoELayer: the Qwen3 router, transformers' aux loss, and the layer through naive and grouped."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megamoe
+from megamoe.reference import relative_error
+from megamoe.router import route
+
+BF16_TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation (as test_backends)
+
+
+def qwen3_router(hidden_states, gate_weight, top_k, norm_topk_prob):
+    """transformers' Qwen3MoeTopKRouter.forward, written out (weights kept in fp32)."""
+    router_logits = F.linear(hidden_states, gate_weight)
+    probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    values, indices = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        values /= values.sum(dim=-1, keepdim=True)
+    return router_logits, values, indices
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_matches_qwen3(norm_topk_prob, dtype):
+    x = torch.randn(100, 64, dtype=dtype)
+    gate = (torch.randn(16, 64) * 0.1).to(dtype)
+    logits, weights, ids = qwen3_router(x, gate, 4, norm_topk_prob)
+    routing = route(x, gate, 4, norm_topk_prob)
+    assert torch.equal(routing.router_logits, logits)
+    assert torch.equal(routing.topk_ids, ids)
+    assert torch.equal(routing.topk_weights, weights) and routing.topk_weights.dtype == torch.float32
+
+
+def test_expert_bias_changes_selection_not_weights():
+    x, gate = torch.randn(50, 32), torch.randn(8, 32)
+    bias = torch.zeros(8)
+    bias[3] = 10.0  # expert 3 always selected
+    routing = route(x, gate, 2, norm_topk_prob=False, expert_bias=bias)
+    assert (routing.topk_ids == 3).any(dim=-1).all()
+    probs = torch.softmax(x @ gate.T, dim=-1)
+    assert torch.equal(routing.topk_weights, probs.gather(-1, routing.topk_ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_matches_transformers(masked, dtype):
+    modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    batch, seq, experts, top_k = 3, 20, 16, 4
+    logits = tuple(torch.randn(batch * seq, experts, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = (torch.rand(batch, seq) > 0.3).long() if masked else None
+    want = modeling.load_balancing_loss_func(logits, experts, top_k, mask)
+    got = megamoe.load_balancing_loss(logits, top_k, mask)
+    torch.testing.assert_close(got, want)
+    grads_want = torch.autograd.grad(want, logits)
+    grads_got = torch.autograd.grad(got, logits)
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w)
+
+
+def test_load_balancing_loss_is_top_k_for_uniform_routing():
+    assert megamoe.load_balancing_loss(torch.zeros(10, 8), top_k=2).item() == pytest.approx(2.0)
+
+
+def make_layer(backend, **kwargs):
+    torch.manual_seed(0)
+    return megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend=backend, dtype=torch.bfloat16, **kwargs)
+
+
+def test_layer_naive_and_grouped_agree():
+    layers = {backend: make_layer(backend) for backend in ("naive", "grouped")}
+    x = torch.randn(2, 50, 64, dtype=torch.bfloat16)
+    outputs, grads = {}, {}
+    for backend, layer in layers.items():
+        xg = x.clone().requires_grad_(True)
+        y, router_logits = layer(xg)
+        assert y.shape == x.shape and y.dtype == x.dtype and router_logits.shape == (100, 8)
+        loss = y.float().square().mean() + 0.01 * megamoe.load_balancing_loss(router_logits, top_k=2)
+        loss.backward()
+        outputs[backend] = y
+        grads[backend] = {"x": xg.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    assert relative_error(outputs["grouped"], outputs["naive"]) < BF16_TOLERANCE
+    for name in grads["naive"]:
+        assert relative_error(grads["grouped"][name], grads["naive"][name]) < BF16_TOLERANCE, name
+
+
+def test_layer_parameters_and_init():
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="naive")
+    assert dict((n, tuple(p.shape)) for n, p in layer.named_parameters()) == {
+        "gate.weight": (8, 64), "w13": (8, 64, 64), "w2": (8, 64, 32)}
+    assert layer.w13.std().item() == pytest.approx(0.02, rel=0.1)
+    assert layer.expert_bias is None
+
+
+def test_expert_bias_update_moves_towards_balance():
+    layer = make_layer("naive", use_expert_bias=True)
+    with torch.no_grad():
+        layer.gate.weight[5] += 1.0  # expert 5 overloaded
+    x = torch.randn(200, 64, dtype=torch.bfloat16) + 1.0
+    layer(x)
+    load = layer.expert_load.clone()
+    assert load.sum() == 200 * 2 and load.argmax() == 5
+    layer.update_expert_bias(rate=0.1)
+    assert layer.expert_bias[5] == pytest.approx(-0.1)
+    assert "expert_bias" in layer.state_dict() and "expert_load" not in layer.state_dict()
+
+
+def test_layer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        megamoe.MoELayer(64, 32, 8, 2, backend="fast")
+    with pytest.raises(ValueError, match="top_k"):
+        megamoe.MoELayer(64, 32, 8, 9)
+    with pytest.raises(RuntimeError, match="use_expert_bias"):
+        make_layer("naive").update_expert_bias()
+

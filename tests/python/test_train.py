@@ -1,0 +1,156 @@
+"""The training loop on the tiny config: outputs, resume, activation checkpointing, bad configs, and the
+benchmark and parity entry points."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megamoe.shapes import PRESETS
+
+pytest.importorskip("transformers")
+
+from megamoe.train import ConfigError, load_config, train  # noqa: E402 (needs transformers)
+from megamoe.train import bench, cli, parity  # noqa: E402
+from megamoe.train.trainer import Trainer  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = CONFIGS / "tiny.toml"
+
+
+# On the CPU everywhere: bitwise reproducible, so resume and recomputation can be compared exactly.
+CPU = ["--set", "train.device=cpu"]
+
+
+def tiny(out_dir, *overrides):
+    return load_config(TINY, ["train.device=cpu", f"output.dir={out_dir}", *overrides])
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_trains_and_writes_metrics_plot_and_checkpoint(tmp_path, capsys):
+    assert cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path}", "--set", "train.steps=8",
+                     "--set", "output.checkpoint_every=4"]) == 0
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert {r["backend"] for r in records} == {"naive"}
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.3  # it learns
+    assert all(r["tokens_per_s"] > 0 and r["aux_loss"] > 0 for r in records)
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "checkpoint.pt").exists()
+    assert "step 8" in capsys.readouterr().out
+
+
+def test_resume_continues_steps_and_data_order(tmp_path, monkeypatch):
+    overrides = ("train.steps=6", "output.checkpoint_every=3")
+    uninterrupted = train(tiny(tmp_path / "a", *overrides), progress=False)
+
+    original_step = Trainer.train_step
+
+    def crash_at_step_5(self, input_ids):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return original_step(self, input_ids)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(tmp_path / "b", *overrides), progress=False)
+    assert len(read_metrics(tmp_path / "b")) == 4  # the checkpoint holds step 3
+    monkeypatch.setattr(Trainer, "train_step", original_step)
+    resumed = train(tiny(tmp_path / "b", *overrides), resume=True, progress=False)
+
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert read_metrics(tmp_path / "b") == resumed
+    for a, b in zip(uninterrupted, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+
+
+def test_resume_needs_a_checkpoint_and_a_fresh_run_does_not_overwrite_one(tmp_path):
+    config = tiny(tmp_path, "train.steps=2", "output.checkpoint_every=2")
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        train(config, resume=True, progress=False)
+    train(config, progress=False)
+    with pytest.raises(ConfigError, match="--resume"):
+        train(config, progress=False)
+
+
+@pytest.mark.parametrize("mode", ["full", "moe"])
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, mode):
+    losses = {}
+    for checkpointing in ("none", mode):
+        config = tiny(tmp_path / checkpointing, "train.steps=3", f"train.activation_checkpointing={checkpointing}")
+        losses[checkpointing] = [r["loss"] for r in train(config, progress=False)]
+    assert losses[mode] == pytest.approx(losses["none"], rel=1e-5)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.learning_rate=0.1", r"unknown key\(s\) \[train\]\.learning_rate"),
+    ("optimizer.lr=0.1", r"unknown section\(s\) \[optimizer\]"),
+    ("moe.backend=fast", r"\[moe\]\.backend = 'fast': must be one of fused, grouped, naive"),
+    ("moe.precision=fp4", r"\[moe\]\.precision"),
+    ("moe.expert_parallel=2", r"\[moe\]\.expert_parallel = 2: only 1 is supported"),
+    ("train.steps=0", r"\[train\]\.steps = 0: must be >= 1"),
+    ("train.steps=ten", r"\[train\]\.steps must be of type int"),
+    ("train.lr=-1.0", r"\[train\]\.lr = -1\.0: must be > 0"),
+    ("train.activation_checkpointing=some", r"\[train\]\.activation_checkpointing"),
+    ("model.preset=qwen4", r"\[model\]\.preset = 'qwen4' is unknown"),
+    ("model.num_experts_per_tok=9", r"\[model\]\.num_experts_per_tok = 9: exceeds num_experts = 8"),
+    ("steps=3", r"must look like section\.key=value"),
+])
+def test_bad_configs_name_the_key(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(tmp_path, override)
+
+
+def test_missing_keys_and_bad_toml_are_named(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nhidden_size = 64\n'
+                    '[train]\nseq_len = 8\nbatch_size = 1\nsteps = 1\n'
+                    '[output]\ndir = "x"\n')
+    with pytest.raises(ConfigError, match=r"missing key\(s\) \[model\]\.vocab_size.*preset"):
+        load_config(path)
+    path.write_text("[model\n")
+    with pytest.raises(ConfigError, match="c.toml is not valid TOML"):
+        load_config(path)
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--config", str(TINY), "--backend", "fast", "--set", f"output.dir={tmp_path}"])
+    assert exit_info.value.code == 2
+    assert "[moe].backend = 'fast'" in capsys.readouterr().err
+
+
+def test_shipped_benchmark_config_is_qwen3_30b_shaped_and_fused():
+    config = load_config(CONFIGS / "qwen3-30b-a3b-small.toml")
+    shape = PRESETS["qwen3-30b-a3b"]
+    model = config.model
+    assert (model.hidden_size, model.moe_intermediate_size, model.num_experts, model.num_experts_per_tok) == (
+        shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k)
+    assert config.moe.backend == "fused"
+    assert config.train.batch_size * config.train.seq_len == 16384
+
+
+def test_bench_entry_point_records_every_backend(tmp_path):
+    assert bench.main(["--config", str(TINY), *CPU, "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "train_latest.json").read_text())
+    assert {"gpu", "commit", "date", "records"} <= set(result)
+    records = {r["backend"]: r for r in result["records"]}
+    assert set(records) == {"fused", "grouped", "naive"}
+    for backend in ("grouped", "naive"):
+        assert records[backend]["skipped"] is None and records[backend]["step_ms"] > 0
+    assert records["grouped"]["vs_grouped"] == 1.0
+    assert "fused" in records["fused"]["skipped"]  # CUDA only: recorded with the reason
+
+
+def test_parity_entry_point_compares_with_the_reference(tmp_path):
+    code = parity.main(["--config", str(TINY), *CPU, "--steps", "3", "--backends", "grouped",
+                        "--out", str(tmp_path), "--set", "train.seq_len=32", "--set", "train.batch_size=2"])
+    result = json.loads((tmp_path / "train_parity_latest.json").read_text())
+    assert [c["name"] for c in result["curves"]] == ["naive", "naive (perturbed init)", "grouped"]
+    [comparison] = result["comparisons"]
+    assert comparison["backend"] == "grouped" and comparison["step1_rel_diff"] < parity.STEP1_TOLERANCE
+    assert code == (0 if comparison["within_tolerance"] else 1)
+    assert (tmp_path / "train_parity_latest.png").read_bytes().startswith(b"\x89PNG")
