@@ -2,7 +2,9 @@
 
 import json
 
-from megamoe.bench import main
+import torch
+
+from megamoe.bench import backends, main
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb"}
@@ -45,3 +47,21 @@ def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):
     (record,) = read_results(tmp_path)["records"]
     assert record["skipped"] and record["fwd_ms"] is None and record["fwdbwd_ms"] is None
     assert record["precision"] == "fp8"
+
+
+def test_bench_records_out_of_memory_and_carries_on(tmp_path, monkeypatch):
+    build = backends.build
+
+    def build_or_fail(name, shape, precision):
+        if name == "naive":
+            def out_of_memory(*args):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 GiB.\nmore")
+            return out_of_memory
+        return build(name, shape, precision)
+
+    monkeypatch.setattr(backends, "build", build_or_fail)
+    assert main([*SMOKE, "--backends", "naive", "grouped", "--out", str(tmp_path)]) == 0
+    records = {r["backend"]: r for r in read_results(tmp_path)["records"]}
+    assert records["naive"]["skipped"].startswith("out of memory (CUDA out of memory.")
+    assert records["naive"]["fwd_ms"] is None and records["naive"]["fwdbwd_ms"] is None
+    assert records["grouped"]["skipped"] is None and records["grouped"]["fwdbwd_ms"] > 0

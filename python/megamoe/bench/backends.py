@@ -17,6 +17,16 @@ MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 BACKENDS = (*MOE_BACKENDS, "grouped-compiled", "hf-grouped_mm")
 
 
+# torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
+# silently runs it eagerly; a sweep needs one per preset, token count and grad mode.
+RECOMPILE_LIMIT = 1024
+
+
+def sweep_settings():
+    """Context for a whole benchmark sweep (process-wide torch settings, restored on exit)."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+
+
 class Unavailable(Exception):
     """The backend cannot run in this environment; the message says why."""
 

@@ -62,6 +62,11 @@ class Plan:
 
 
 def run_plan(plan: Plan, device: Device) -> list[Record]:
+    with backends.sweep_settings():
+        return _run_plan(plan, device)
+
+
+def _run_plan(plan: Plan, device: Device) -> list[Record]:
     records = []
     total = len(plan.presets) * len(plan.tokens) * len(plan.routings) * len(plan.precisions) * len(plan.backends)
     progress = tqdm(total=total, desc="megamoe.bench", unit="run", file=sys.stderr) if tqdm else None
