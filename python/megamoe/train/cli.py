@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe.train",
                                      description="Train transformers' Qwen3-MoE with megamoe experts.")
     config_arguments(parser)
-    parser.add_argument("--backend", help="override [moe].backend, e.g. grouped while fused is not built")
+    parser.add_argument("--backend", help="override [moe].backend: fused, grouped or naive")
     parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/checkpoint.pt")
     args = parser.parse_args(argv)
     overrides = args.set + ([f"moe.backend={args.backend}"] if args.backend else [])
