@@ -119,3 +119,15 @@ def test_fused_under_torch_compile_fullgraph():
     assert torch.equal(y, megamoe.moe(x, ids, weights, w13, w2, backend="fused"))
     y.float().sum().backward()
     assert xg.grad is not None and wg.grad is not None
+
+
+def test_grouped_traces_whole_under_torch_compile():
+    """No data-dependent shapes or host syncs: fullgraph=True fails on any graph break."""
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cpu")
+    xg = leaf(x)
+    compiled = torch.compile(lambda *a: megamoe.moe(*a, backend="grouped"), fullgraph=True)
+    y = compiled(xg, ids, weights, w13, w2)
+    ref = reference_moe(x, ids, weights, w13, w2)
+    assert relative_error(y, ref) < TOLERANCE
+    y.float().sum().backward()
+    assert torch.isfinite(xg.grad).all()
