@@ -28,6 +28,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384, 65536])
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
+    parser.add_argument("--skewed-tokens", nargs="*", type=int, default=[16384], metavar="TOKENS",
+                        help="of --tokens, those also measured with skewed routing (default: 16384; empty: none)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="default: all; those that cannot run here are recorded as skipped, with the reason")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
@@ -60,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 backends=list(dict.fromkeys(args.backends)),
                 precisions=list(dict.fromkeys(args.precision)),
                 modes=[m for m in MODES if m in args.modes],  # fwd first, so fwdbwd's memory figure is kept
-                budget=budget)
+                budget=budget,
+                skewed_tokens=list(dict.fromkeys(args.skewed_tokens)))
 
     peaks = measure_peaks(device, budget)
     records = run_plan(plan, device)

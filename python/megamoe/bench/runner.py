@@ -59,6 +59,14 @@ class Plan:
     precisions: Sequence[str]
     modes: Sequence[str]
     budget: Budget
+    skewed_tokens: Sequence[int] = ()  # those of `tokens` also measured with skewed routing
+
+    def cases(self) -> list[tuple[int, str]]:
+        """(tokens, routing) pairs in the order they run."""
+        cases = list(itertools.product(self.tokens, self.routings))
+        cases += [(t, "skewed") for t in self.skewed_tokens
+                  if t in self.tokens and (t, "skewed") not in cases]
+        return sorted(cases, key=lambda case: case[0])
 
 
 def run_plan(plan: Plan, device: Device) -> list[Record]:
@@ -68,13 +76,13 @@ def run_plan(plan: Plan, device: Device) -> list[Record]:
 
 def _run_plan(plan: Plan, device: Device) -> list[Record]:
     records = []
-    total = len(plan.presets) * len(plan.tokens) * len(plan.routings) * len(plan.precisions) * len(plan.backends)
+    total = len(plan.presets) * len(plan.cases()) * len(plan.precisions) * len(plan.backends)
     progress = tqdm(total=total, desc="megamoe.bench", unit="run", file=sys.stderr) if tqdm else None
     for preset in plan.presets:
         shape = PRESETS[preset]
         _describe(progress, f"{preset}: generating inputs")
-        x_all, w13, w2 = _preset_inputs(shape, max(plan.tokens), device.device)
-        for tokens, routing in itertools.product(plan.tokens, plan.routings):
+        x_all, w13, w2 = _preset_inputs(shape, max(t for t, _ in plan.cases()), device.device)
+        for tokens, routing in plan.cases():
             sets = _operand_sets(shape, tokens, routing, x_all, w13, w2)
             dy = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(DY_SEED))
             dy = dy.to(device.device, torch.bfloat16)
