@@ -109,6 +109,17 @@ int megamoe_grouped_gemm_scatter_bf16(const void* h, const void* w2, void* out_r
                                       int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
                                       void* stream);
 
+// ---------------------------------------------------------------------------------------------
+// The same with B stored [E_local, K, N] (N contiguous): the backward's dx per route,
+//   out_rows[slot_to_route[r], :] = A[r, :] · B[e]      (B[e] read as the K x N matrix it is)
+// e.g. dx_route = dz · w13[e] with A = dz [max_blocks * 128, 2I], B = w13 [E_local, 2I, H],
+// k = 2I, n = H. Same plan arguments, guards and untouched rows as megamoe_grouped_gemm_scatter_bf16.
+// ---------------------------------------------------------------------------------------------
+int megamoe_grouped_gemm_scatter_mn_bf16(const void* a, const void* b, void* out_rows, const int32_t* slot_to_route,
+                                         const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks,
+                                         int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
+                                         void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,9 +1,10 @@
 // Tile shape, pipeline depth and shared-memory layout of the BF16 grouped GEMM.
 //
-// A CTA computes one 128 x BLOCK_N tile of C at a time: the 128 rows are one pool block (one
-// expert), split between two math warpgroups (64 rows each, one wgmma m64nBLOCK_Nk16 per 16 of K).
-// Operand tiles are 64 elements deep in K, i.e. exactly one 128-byte swizzle row, so TMA's
-// SWIZZLE_128B box and wgmma's 128B-swizzled K-major descriptor describe the same bytes.
+// A CTA computes one 128 x BLOCK_N tile of C at a time: 128 rows (a pool block, one expert; or an
+// m-tile of a weight gradient), split between two math warpgroups (64 rows each, one wgmma
+// m64nBLOCK_Nk16 per 16 of K). Operand tiles are 64 elements deep in K. Each operand is K-major
+// (K contiguous in global memory: a 64-deep k-block is one 128-byte swizzle row) or MN-major (M or
+// N contiguous: 64-wide boxes of 128-byte rows, one row per k); operand.cuh has both layouts.
 #pragma once
 
 #include <cstdint>
@@ -37,13 +38,19 @@ constexpr int kSharedMemoryLimit = 232448;
 constexpr int kAlignSlack = 1024;
 constexpr int kMaxStages = 8;
 
-// BBoxes: how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
+enum class Major { K, MN };  // which dimension of an operand is contiguous in global memory
+
+// BBoxes (K-major B only): how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
 // boxes of BLOCK_N / 2 rows from different places of B, stacked in one tile (SwiGLU: the gate rows
 // and the matching up rows), armed on the same full barrier with the same total byte count.
-template <int BlockN, int BBoxes = 1>
+// An MN-major B always spans BLOCK_N consecutive columns (BLOCK_N / 64 boxes).
+template <int BlockN, int BBoxes = 1, Major AMajor = Major::K, Major BMajor = Major::K>
 struct Config {
   static_assert(BlockN == 128 || BlockN == 256, "BLOCK_N must be 128 or 256 (wgmma N <= 256)");
   static_assert(BBoxes == 1 || BBoxes == 2, "one or two B boxes per stage");
+  static_assert(BBoxes == 1 || BMajor == Major::K, "split B tiles are K-major");
+  static constexpr Major kAMajor = AMajor;
+  static constexpr Major kBMajor = BMajor;
   static constexpr int kBlockN = BlockN;
   static constexpr int kBBoxes = BBoxes;
   static constexpr int kBBoxRows = BlockN / BBoxes;

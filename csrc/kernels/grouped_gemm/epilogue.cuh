@@ -13,8 +13,9 @@
 // (rows 8-15, j+1); lane l supplies the address of row l % 8 of matrix l / 8.
 //
 // Epilogue policies (this file's PlainEpilogue, SwigluEpilogue, ScatterEpilogue) give the kernel:
-//   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, block, warpgroup) -> Rows
-//   (per-tile values loaded before the main loop, to hide their latency), store(...), drain().
+//   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, tile, warpgroup) -> Rows
+//   (per-tile values loaded before the main loop, to hide their latency), store(...), drain(); the
+//   tile is the scheduler's (PoolTile: block, n_tile; ExpertTile: expert, m_tile, n_tile).
 #pragma once
 
 #include <cuda.h>
@@ -25,6 +26,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/scheduler.cuh"
 
 namespace megamoe::grouped_gemm {
 
@@ -99,11 +101,11 @@ struct PlainEpilogue {
   struct Rows {};
 
   __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.c); }
-  __device__ static Rows prepare(const Params&, int, int) { return {}; }
+  __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, int block, int n_tile, Rows) {
-    tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, block * kBlockM + warpgroup * kWarpgroupRows,
-                                        n_tile * BlockN);
+                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
+    tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, t.block * kBlockM + warpgroup * kWarpgroupRows,
+                                        t.n_tile * BlockN);
   }
   __device__ static void drain() { drain_stores(); }
 };

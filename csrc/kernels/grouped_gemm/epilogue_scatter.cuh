@@ -29,9 +29,10 @@ __device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
   return v;
 }
 
-template <int BlockN>
+// BMajor: MN-major B for the backward's dx = dz · w13[e] (w13[e] read as [K = 2I, N = H]).
+template <int BlockN, Major BMajor = Major::K>
 struct ScatterEpilogue {
-  using Cfg = Config<BlockN>;
+  using Cfg = Config<BlockN, 1, Major::K, BMajor>;
   static constexpr int kChunks = BlockN / kEpiCols;
   static constexpr int kPieces = kEpiCols * 2 / 16;            // 16-byte pieces per chunk row: 8
   static constexpr int kRowsPerPass = 128 / kPieces;           // 16
@@ -48,8 +49,8 @@ struct ScatterEpilogue {
   };
 
   __device__ static void prefetch(const Params&) {}
-  __device__ static Rows prepare(const Params& p, int block, int warpgroup) {
-    const int row0 = block * kBlockM + warpgroup * kWarpgroupRows + int(threadIdx.x % 128) / kPieces;
+  __device__ static Rows prepare(const Params& p, const PoolTile& t, int warpgroup) {
+    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows + int(threadIdx.x % 128) / kPieces;
     Rows r;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -59,7 +60,7 @@ struct ScatterEpilogue {
     return r;
   }
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, int, int n_tile, const Rows& rows) {
+                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& tile, const Rows& rows) {
     const int t = int(threadIdx.x % 128);
     const int piece = t % kPieces;
 #pragma unroll
@@ -67,7 +68,7 @@ struct ScatterEpilogue {
       uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
       stage_chunk(acc, c, chunk);
       warpgroup_sync(warpgroup);
-      const int col = n_tile * BlockN + c * kEpiCols + piece * 8;
+      const int col = tile.n_tile * BlockN + c * kEpiCols + piece * 8;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = pass * kRowsPerPass + t / kPieces;

@@ -24,17 +24,17 @@ struct SwigluEpilogue {
   struct Rows {};
 
   __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.h); }
-  __device__ static Rows prepare(const Params&, int, int) { return {}; }
+  __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
   __device__ static void store(float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
-                               int warpgroup, int block, int n_tile, Rows) {
+                               int warpgroup, const PoolTile& t, Rows) {
 #pragma unroll
     for (int x = 0; x < kHalf; ++x) {
       const float g = acc[x];
       // silu(g) = g / (1 + e^-g); for g < -88 e^-g is inf and the quotient 0, the limit.
       acc[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
     }
-    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, block * kBlockM + warpgroup * kWarpgroupRows,
-                                        n_tile * kHCols);
+    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, t.block * kBlockM + warpgroup * kWarpgroupRows,
+                                        t.n_tile * kHCols);
   }
   __device__ static void drain() { drain_stores(); }
 };

@@ -40,6 +40,6 @@ extern "C" int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, 
   }
   // Box 0 = gate rows [128 t, +128), box 1 = up rows [I + 128 t, +128) of the expert's 2I rows.
   const BRows b_rows{2 * intermediate, intermediate};
-  return launch<Epi>(map_a, map_b, epi, block_expert, num_blocks, max_blocks, intermediate / Epi::kHCols, b_rows,
+  return launch_pool<Epi>(map_a, map_b, epi, block_expert, num_blocks, max_blocks, intermediate / Epi::kHCols, b_rows,
                      hidden, stream);
 }

@@ -1,5 +1,7 @@
 // Persistent, warp-specialised BF16 grouped GEMM over a routing plan's expert-major pool (sm_90a),
-// templated on its epilogue policy (epilogue.cuh: plain store, epilogue_swiglu.cuh, epilogue_scatter.cuh).
+// templated on its epilogue policy (epilogue.cuh: plain store, epilogue_swiglu.cuh,
+// epilogue_scatter.cuh, epilogue_swiglu_backward.cuh, epilogue_weight_grad.cuh) and its scheduler
+// policy (scheduler.cuh: pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients).
 //
 // One CTA per SM, 384 threads:
 //   warpgroup 0  producer: one thread issues the TMA loads of every tile's A and B k-blocks into a
@@ -8,7 +10,7 @@
 //                memory, then runs the epilogue on its rows while the producer is already filling
 //                the ring with the next tile.
 // See config.cuh (tile shape and shared memory), pipeline.cuh (barriers), scheduler.cuh (tile
-// order), mainloop.cuh (TMA + wgmma).
+// order), operand.cuh (operand layouts), mainloop.cuh (TMA + wgmma).
 #pragma once
 
 #include <cuda.h>
@@ -21,6 +23,7 @@
 #include "kernels/grouped_gemm/mainloop.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
 #include "kernels/grouped_gemm/scheduler.cuh"
+#include "kernels/grouped_gemm/scheduler_expert.cuh"
 
 // Without the sm_90a feature set the CuTe wrappers compile to traps and setmaxnreg to nothing;
 // fail the build instead of shipping a kernel that cannot run.
@@ -32,12 +35,11 @@
 
 namespace megamoe::grouped_gemm {
 
-// n_tiles: tiles per pool block; b_rows: where each tile's B boxes are (mainloop.cuh).
-template <class Epi>
+template <class Epi, class Sched>
 __global__ void __launch_bounds__(kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                    const __grid_constant__ typename Epi::Params epi, const int32_t* __restrict__ block_expert,
-                    const int32_t* __restrict__ num_blocks, int max_blocks, int n_tiles, BRows b_rows, int k) {
+                    const __grid_constant__ typename Epi::Params epi,
+                    const __grid_constant__ typename Sched::Params sched_params) {
   using Cfg = typename Epi::Cfg;
   extern __shared__ uint8_t smem_raw[];
   const SharedStorage<Cfg> smem(smem_raw);
@@ -51,12 +53,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   }
   __syncthreads();
 
-  const TileScheduler sched(num_blocks, max_blocks, n_tiles);
-  const int k_blocks = k / kBlockK;
+  const Sched sched(sched_params);
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x == 0) produce_operands<Cfg>(&tma_a, &tma_b, smem, sched, block_expert, b_rows, k_blocks);
+    if (threadIdx.x == 0) produce_operands<Cfg>(&tma_a, &tma_b, smem, sched);
     return;
   }
 
@@ -64,10 +65,16 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   const int math_wg = warpgroup - 1;
   PipelineState<Cfg::kStages> state;
   float acc[Cfg::kAccumulators];
-  for (TileScheduler tiles = sched; tiles.valid(); tiles.advance()) {
-    const auto rows = Epi::prepare(epi, tiles.block(), math_wg);  // loads in flight during the main loop
-    mma_tile<Cfg>(acc, smem, state, k_blocks, math_wg);
-    Epi::store(acc, epi, smem, math_wg, tiles.block(), tiles.n_tile(), rows);
+  for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
+    const auto tile = tiles.tile();
+    const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
+    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
+      mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
+    } else {  // K-grouped: an expert without rows contributes zeros
+#pragma unroll
+      for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
+    }
+    Epi::store(acc, epi, smem, math_wg, tile, rows);
   }
   Epi::drain();
 }

@@ -1,32 +1,88 @@
-// Static persistent tile scheduler over the routing plan's block list.
+// Static persistent tile scheduler over the routing plan's block list (the pool GEMMs).
 //
 // Tiles are (block, n-tile) pairs numbered n-tile fastest: CTAs that run at the same time share the
 // A block (read once from HBM, then from L2) and the few experts whose blocks are in flight, so
 // each expert's B tiles are fetched from HBM about once. CTA i takes tiles i, i + grid, ...
 // The number of live blocks is read on the device, so the host never synchronises; the producer
 // and the math warpgroups each walk the same sequence independently.
+//
+// A scheduler policy gives the kernel: Params (a kernel parameter), a constructor from them,
+// valid() / advance(), kMayBeEmpty (whether a tile can have no k-blocks), tile() (what the math warpgroups and the epilogue need: k_blocks and the
+// tile's place) and origin<Cfg>(tile) (the producer's TMA coordinates of the tile's first k-block).
+// scheduler_expert.cuh is the K-grouped policy of the weight gradients.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/grouped_gemm/config.cuh"
+
 namespace megamoe::grouped_gemm {
 
-struct TileScheduler {
-  int n_tiles;
-  int num_tiles;
-  int tile;
+// TMA coordinates of a tile's first k-block: M/N index and K index of A and of B (operand.cuh),
+// and the row distance between the boxes of a split K-major B tile.
+struct TileOrigin {
+  int a_mn, a_k;
+  int b_mn, b_k;
+  int b_box_stride;
+};
 
-  __device__ TileScheduler(const int32_t* num_blocks, int max_blocks, int n_tiles_per_block)
-      : n_tiles(n_tiles_per_block), tile(int(blockIdx.x)) {
-    int blocks = *num_blocks;
-    blocks = blocks < 0 ? 0 : (blocks > max_blocks ? max_blocks : blocks);  // never past the pool
+// Where an expert's B is: B is addressed as one 2-D matrix over all experts, rows_per_expert rows
+// each. K-major B ([E_local * N, K]): box i of n-tile t of expert e starts at row
+// e * rows_per_expert + i * box_stride + t * kBBoxRows (box_stride is unused with one box).
+// MN-major B ([E_local * K, N]): n-tile t of expert e is columns [t * BLOCK_N, +BLOCK_N) of rows
+// e * rows_per_expert + k (rows_per_expert = K).
+struct BRows {
+  int rows_per_expert;
+  int box_stride;
+};
+
+struct PoolTile {
+  int block;
+  int n_tile;
+  int k_blocks;
+};
+
+struct PoolScheduler {
+  static constexpr bool kMayBeEmpty = false;  // K >= 128
+  struct Params {
+    const int32_t* block_expert;
+    const int32_t* num_blocks;
+    int max_blocks;
+    int n_tiles;   // per pool block
+    int k_blocks;  // K / 64
+    BRows b_rows;
+  };
+
+  const int32_t* block_expert;
+  BRows b_rows;
+  int n_tiles;
+  int k_blocks;
+  int num_tiles;
+  int tile_index;
+
+  __device__ explicit PoolScheduler(const Params& p)
+      : block_expert(p.block_expert), b_rows(p.b_rows), n_tiles(p.n_tiles), k_blocks(p.k_blocks),
+        tile_index(int(blockIdx.x)) {
+    int blocks = *p.num_blocks;
+    blocks = blocks < 0 ? 0 : (blocks > p.max_blocks ? p.max_blocks : blocks);  // never past the pool
     num_tiles = blocks * n_tiles;  // the launcher checks max_blocks * n_tiles fits in int
   }
 
-  __device__ bool valid() const { return tile < num_tiles; }
-  __device__ int block() const { return tile / n_tiles; }
-  __device__ int n_tile() const { return tile % n_tiles; }
-  __device__ void advance() { tile += int(gridDim.x); }
+  __device__ bool valid() const { return tile_index < num_tiles; }
+  __device__ void advance() { tile_index += int(gridDim.x); }
+  __device__ PoolTile tile() const { return {tile_index / n_tiles, tile_index % n_tiles, k_blocks}; }
+
+  // An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
+  template <class Cfg>
+  __device__ TileOrigin origin(const PoolTile& t) const {
+    static_assert(Cfg::kAMajor == Major::K, "pool rows are the M of a K-major A");
+    const int e = block_expert[t.block];
+    if constexpr (Cfg::kBMajor == Major::K) {
+      return {t.block * kBlockM, 0, e * b_rows.rows_per_expert + t.n_tile * Cfg::kBBoxRows, 0, b_rows.box_stride};
+    } else {
+      return {t.block * kBlockM, 0, t.n_tile * Cfg::kBlockN, e * b_rows.rows_per_expert, 0};
+    }
+  }
 };
 
 }  // namespace megamoe::grouped_gemm

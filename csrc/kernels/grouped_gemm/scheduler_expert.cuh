@@ -1,0 +1,69 @@
+// K-grouped tile scheduler of the weight gradients: C[e] = A[rows of e]ᵀ · B[rows of e] for every
+// local expert e, where A [pool rows, M] and B [pool rows, N] are token-major (MN-major operands)
+// and K runs over the expert's pool rows [expert_offsets[e], expert_offsets[e + 1]).
+//
+// Tiles are (expert, m-tile, n-tile) triples numbered n-tile fastest, then m-tile, then expert, so
+// the CTAs running at the same time read the same expert's rows (from L2 after the first). CTA i
+// takes tiles i, i + grid, ... Each tile's k-block count comes from expert_offsets on the device
+// (no host synchronisation); an expert with no rows gets tiles with k_blocks = 0, which the math
+// warpgroups turn into zeros. Offsets are clamped to [0, max_rows] and must be multiples of 64
+// (the routing plan's are multiples of 128).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/scheduler.cuh"
+
+namespace megamoe::grouped_gemm {
+
+struct ExpertTile {
+  int expert;
+  int m_tile;
+  int n_tile;
+  int k_row;     // first pool row of the expert
+  int k_blocks;  // its rows / 64
+};
+
+struct ExpertScheduler {
+  static constexpr bool kMayBeEmpty = true;
+  struct Params {
+    const int32_t* expert_offsets;  // [num_experts + 1]
+    int num_experts;
+    int m_tiles;  // M / 128
+    int n_tiles;  // N / BLOCK_N
+    int max_rows;
+  };
+
+  const int32_t* expert_offsets;
+  int m_tiles, n_tiles, max_rows;
+  int num_tiles;
+  int tile_index;
+
+  __device__ explicit ExpertScheduler(const Params& p)
+      : expert_offsets(p.expert_offsets), m_tiles(p.m_tiles), n_tiles(p.n_tiles), max_rows(p.max_rows),
+        num_tiles(p.num_experts * p.m_tiles * p.n_tiles),  // the launcher checks it fits in int
+        tile_index(int(blockIdx.x)) {}
+
+  __device__ bool valid() const { return tile_index < num_tiles; }
+  __device__ void advance() { tile_index += int(gridDim.x); }
+
+  __device__ ExpertTile tile() const {
+    const int per_expert = m_tiles * n_tiles;
+    const int e = tile_index / per_expert;
+    const int rest = tile_index % per_expert;
+    int begin = __ldg(expert_offsets + e);
+    int end = __ldg(expert_offsets + e + 1);
+    begin = begin < 0 ? 0 : (begin > max_rows ? max_rows : begin);
+    end = end < begin ? begin : (end > max_rows ? max_rows : end);
+    return {e, rest / n_tiles, rest % n_tiles, begin, (end - begin) / kBlockK};
+  }
+
+  template <class Cfg>
+  __device__ TileOrigin origin(const ExpertTile& t) const {
+    static_assert(Cfg::kAMajor == Major::MN && Cfg::kBMajor == Major::MN, "token-major A and B");
+    return {t.m_tile * kBlockM, t.k_row, t.n_tile * Cfg::kBlockN, t.k_row, 0};
+  }
+};
+
+}  // namespace megamoe::grouped_gemm

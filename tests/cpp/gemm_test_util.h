@@ -1,0 +1,277 @@
+// Shared by the GEMM GoogleTests: bf16 conversion, device buffers, routing plans built on the GPU,
+// host fp32 references compared per 128-column tile, and the plans of the fused-epilogue tests.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megamoe/megamoe.h"
+
+namespace megamoe_test {
+
+constexpr uint16_t kNaNPoison = 0x7FC0;  // A rows the kernel must not mix into real rows
+constexpr uint16_t kCPoison = 0xFFFF;    // a NaN pattern: unwritten C shows as NaN
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (inputs here are finite)
+  return uint16_t(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline int cuda_devices() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const std::vector<T>& v) {
+    ASSERT_EQ(v.size(), count);
+    if (count) {
+      ASSERT_EQ(cudaMemcpy(ptr, v.data(), count * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  std::vector<T> download() const {
+    std::vector<T> out(count);
+    if (count) {
+      EXPECT_EQ(cudaMemcpy(out.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return out;
+  }
+};
+
+struct Plan {
+  std::vector<int32_t> counts, offsets, block_expert, route_to_slot, slot_to_route;
+  int32_t num_blocks = 0;
+  int64_t max_blocks = 0;
+};
+
+// Builds the routing plan on the GPU (as the real pipeline does); num_blocks and slot_to_route stay
+// on the device in the caller's buffers (slot_to_route sized megamoe_routing_capacity), host copies
+// come back for checking.
+inline Plan build_plan(const megamoe_routing_shape& s, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
+                DeviceBuffer<int32_t>& num_blocks_dev, DeviceBuffer<int32_t>& slot_to_route) {
+  const int e = s.num_local_experts;
+  DeviceBuffer<int32_t> ids_dev(ids.size()), counts(e), offsets(e + 1), route_to_slot(ids.size()), num_invalid(1);
+  DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
+  ids_dev.upload(ids);
+  megamoe_routing_plan plan{counts.ptr, offsets.ptr, route_to_slot.ptr, slot_to_route.ptr,
+                            block_expert.ptr, num_blocks_dev.ptr, num_invalid.ptr, workspace.ptr};
+  EXPECT_EQ(megamoe_build_routing_cuda(ids_dev.ptr, &s, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Plan p;
+  p.counts = counts.download();
+  p.offsets = offsets.download();
+  p.block_expert = block_expert.download();
+  p.route_to_slot = route_to_slot.download();
+  p.slot_to_route = slot_to_route.download();
+  p.num_blocks = num_blocks_dev.download()[0];
+  p.max_blocks = megamoe_routing_max_blocks(&s);
+  return p;
+}
+
+
+inline bool is_real_row(const Plan& p, int64_t row) {
+  const int32_t e = p.block_expert[row / MEGAMOE_BLOCK_M];
+  return row - p.offsets[e] < p.counts[e];
+}
+
+inline std::vector<float> to_float(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = from_bf16(v[i]);
+  return f;
+}
+
+// fp32 dot product in a fixed order (8 partial sums), as close to the tensor cores as a host gets.
+inline double dot(const float* x, const float* w, int k) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < k; i += 8) {
+    for (int j = 0; j < 8; ++j) s[j] += x[i + j] * w[i + j];
+  }
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// The kernel's output against a host reference, per 128-column tile of each pool block; reports
+// the worst tiles.
+struct Comparison {
+  double rel_error = 0;
+  int64_t non_finite = 0;
+  std::string worst;
+};
+
+// A row to check: the pool row it comes from, and the row of `out` (n columns) holding it.
+struct CheckedRow {
+  int64_t pool_row;
+  int64_t out_row;
+};
+
+// ref(pool_row, col) is the reference value; rows are checked on up to 32 host threads.
+inline Comparison compare_rows(const Plan& p, int n, const std::vector<CheckedRow>& rows,
+                        const std::function<double(int64_t, int)>& ref, const std::vector<uint16_t>& out) {
+  const int col_tiles = n / 128;
+  const int64_t tiles = int64_t(p.num_blocks) * col_tiles;
+  std::vector<double> err2(tiles, 0), ref2(tiles, 0);
+  std::vector<int64_t> bad(tiles, 0);
+  // Each thread owns whole pool blocks, so the per-tile sums need no locking.
+  auto work = [&](int64_t first_block, int64_t stride) {
+    for (const CheckedRow& r : rows) {
+      const int64_t blk = r.pool_row / MEGAMOE_BLOCK_M;
+      if (blk % stride != first_block) continue;
+      for (int col = 0; col < n; ++col) {
+        const double want = ref(r.pool_row, col);
+        const double got = from_bf16(out[r.out_row * n + col]);
+        const int64_t t = blk * col_tiles + col / 128;
+        if (!std::isfinite(got)) {
+          ++bad[t];
+        } else {
+          err2[t] += (got - want) * (got - want);
+        }
+        ref2[t] += want * want;
+      }
+    }
+  };
+  const int threads = int(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(work, t, threads);
+  for (auto& th : pool) th.join();
+
+  Comparison r;
+  double e = 0, s = 0;
+  std::vector<std::pair<double, int64_t>> per_tile;
+  for (int64_t t = 0; t < tiles; ++t) {
+    e += err2[t];
+    s += ref2[t];
+    r.non_finite += bad[t];
+    const double tile_rel = bad[t] ? INFINITY : std::sqrt(err2[t] / std::max(ref2[t], 1e-30));
+    per_tile.push_back({tile_rel, t});
+  }
+  r.rel_error = r.non_finite ? INFINITY : std::sqrt(e / std::max(s, 1e-30));
+  std::sort(per_tile.rbegin(), per_tile.rend());
+  std::ostringstream os;
+  for (size_t i = 0; i < std::min<size_t>(4, per_tile.size()); ++i) {
+    const int64_t t = per_tile[i].second;
+    os << " [block " << t / col_tiles << " (expert " << p.block_expert[t / col_tiles] << "), cols "
+       << (t % col_tiles) * 128 << "..+128: rel " << per_tile[i].first << ", non-finite " << bad[t] << "]";
+  }
+  r.worst = os.str();
+  return r;
+}
+
+// Every real row of the live blocks, written in place (plain GEMM, SwiGLU).
+inline std::vector<CheckedRow> real_rows(const Plan& p) {
+  std::vector<CheckedRow> rows;
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (is_real_row(p, row)) rows.push_back({row, row});
+  }
+  return rows;
+}
+
+// Pool: real rows uniform in [-1, 1], padding rows of live blocks and every row past them NaN.
+inline std::vector<uint16_t> make_pool(const Plan& p, int k, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<uint16_t> a(p.max_blocks * MEGAMOE_BLOCK_M * k, kNaNPoison);
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (!is_real_row(p, row)) continue;
+    for (int i = 0; i < k; ++i) a[row * k + i] = to_bf16(dist(rng));
+  }
+  return a;
+}
+
+
+// A rank's view: global experts, of which [local_begin, local_begin + local_experts) are local.
+// n, k are the GEMM's (SwiGLU: n = intermediate, k = hidden; scatter: n = hidden, k = intermediate).
+struct FusedCase {
+  std::string name;
+  int64_t tokens;
+  int top_k;
+  int experts;
+  int local_begin, local_experts;
+  int n, k;
+  uint32_t seed;
+};
+
+inline void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
+
+inline megamoe_routing_shape fused_shape(const FusedCase& c) {
+  return {c.tokens, c.top_k, c.experts, c.local_begin, c.local_experts};
+}
+inline int fused_hot(const FusedCase& c) { return c.local_begin; }                            // ~40% of routes
+inline int fused_empty(const FusedCase& c) { return c.local_begin + c.local_experts / 2; }  // no routes
+
+// 5% masked routes (-1), ~40% to the hot local expert, the rest uniform over the other global
+// experts (so some are not local) except the empty one.
+inline std::vector<int32_t> make_fused_ids(const FusedCase& c) {
+  std::mt19937 rng(c.seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int> other(0, c.experts - 2);
+  std::vector<int32_t> ids(c.tokens * c.top_k);
+  for (auto& id : ids) {
+    const double x = u(rng);
+    const int e = other(rng);
+    id = x < 0.05 ? -1 : x < 0.45 ? fused_hot(c) : (e >= fused_empty(c) ? e + 1 : e);
+  }
+  return ids;
+}
+
+// Weights uniform in [-s, s] with s = 6 / sqrt(k): outputs of std ~2, so SwiGLU sees both the
+// linear and the saturated part of the sigmoid.
+inline std::vector<uint16_t> make_weights(int64_t count, int k, std::mt19937& rng) {
+  const float s = 6.f / std::sqrt(float(k));
+  std::uniform_real_distribution<float> dist(-s, s);
+  std::vector<uint16_t> w(count);
+  for (auto& v : w) v = to_bf16(dist(rng));
+  return w;
+}
+
+// Builds the plan and asserts it covers what the fused tests are for.
+class FusedTest : public ::testing::TestWithParam<FusedCase> {
+ protected:
+  Plan plan_for(const FusedCase& c, DeviceBuffer<int32_t>& block_expert, DeviceBuffer<int32_t>& num_blocks,
+                DeviceBuffer<int32_t>& slot_to_route) {
+    const Plan p = build_plan(fused_shape(c), make_fused_ids(c), block_expert, num_blocks, slot_to_route);
+    const int hot = fused_hot(c) - c.local_begin, empty = fused_empty(c) - c.local_begin;
+    EXPECT_EQ(p.counts[empty], 0) << "an empty expert";
+    EXPECT_GE((p.counts[hot] + MEGAMOE_BLOCK_M - 1) / MEGAMOE_BLOCK_M, 2) << "an expert with several blocks";
+    EXPECT_TRUE(std::any_of(p.counts.begin(), p.counts.end(), [](int32_t n) { return n % MEGAMOE_BLOCK_M != 0; }))
+        << "a partially filled block";
+    EXPECT_LT(p.num_blocks, p.max_blocks) << "blocks past num_blocks to keep untouched";
+    EXPECT_TRUE(std::any_of(p.route_to_slot.begin(), p.route_to_slot.end(), [](int32_t s) { return s < 0; }))
+        << "masked or non-local routes";
+    // The plan is a bijection between live routes and real pool rows: a kernel that writes each
+    // real pool row r to slot_to_route[r] only then writes every live route exactly once.
+    for (size_t r = 0; r < p.route_to_slot.size(); ++r) {
+      const int32_t slot = p.route_to_slot[r];
+      if (slot >= 0) EXPECT_EQ(p.slot_to_route[slot], int32_t(r)) << "route " << r;
+    }
+    return p;
+  }
+};
+
+}  // namespace megamoe_test
