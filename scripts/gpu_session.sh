@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: machine facts, the README's test command (GPU tests included) and
-# the benchmarks, with logs and JSON under $OUT. Stages: env tests gemm bench (default: all).
+# the benchmarks, with logs and JSON under $OUT. Stages: env tests sanitize gemm bench (default:
+# all); after a failed `tests` stage the later stages are skipped.
 #   device run: MEGAMOE_COMMIT=<sha> bash scripts/gpu_session.sh [stage ...]
 # (carry .whl for nvidia-cutlass offline; MEGAMOE_COMMIT names the commit, the copy has no .git)
 set -uo pipefail
@@ -16,7 +17,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 status=0
-for stage in ${@:-env tests gemm bench}; do
+for stage in ${@:-env tests sanitize gemm bench}; do
   case "$stage" in
     env)
       { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
@@ -24,7 +25,13 @@ for stage in ${@:-env tests gemm bench}; do
         nvcc --version | tail -1; cmake --version | head -1
         ls -d /usr/include/gtest /usr/src/googletest 2>&1; } 2>&1 | tee "$out/env.txt" ;;
     tests)
-      bash tests/run.sh -q 2>&1 | tee "$out/tests.log" || status=1 ;;
+      bash tests/run.sh -q 2>&1 | tee "$out/tests.log" || { echo "tests failed: stopping"; exit 1; } ;;
+    sanitize)
+      # Small shapes only: the kernels' memory accesses and shared-memory races, not their speed.
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 1 build/megamoe_tests --gtest_brief=1 \
+          --gtest_filter='*small*:*DispatchCombine*:Routings/*' 2>&1 | tail -5 | tee -a "$out/sanitize.log" || status=1
+      done ;;
     gemm)
       MEGAMOE_LIBRARY=$PWD/build/libmegamoe.so PYTHONPATH=$PWD/python:${PYTHONPATH:-} \
         python3 -m megamoe.bench.gemm --out "$out/bench" 2>&1 | tee "$out/gemm.log" || status=1 ;;
@@ -32,7 +39,7 @@ for stage in ${@:-env tests gemm bench}; do
       MEGAMOE_LIBRARY=$PWD/build/libmegamoe.so PYTHONPATH=$PWD/python:${PYTHONPATH:-} \
         python3 -m megamoe.bench --out "$out/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || status=1 ;;
     *)
-      echo "unknown stage $stage (env, tests, gemm, bench)"; status=2 ;;
+      echo "unknown stage $stage (env, tests, sanitize, gemm, bench)"; status=2 ;;
   esac
 done
 exit $status
