@@ -10,7 +10,9 @@
 #include <cstdint>
 #include <iostream>
 #include <random>
+#include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gemm_test_util.h"
@@ -159,6 +161,252 @@ TEST(GroupedGemmScatterMnValidation, RejectsBadArguments) {
   }
   EXPECT_EQ(megamoe_grouped_gemm_scatter_mn_bf16(p, p, p, ip, ip, ip, 0, 256, 256, 2, 8, nullptr), MEGAMOE_OK)
       << "an empty pool is a no-op: " << megamoe_last_error();
+}
+
+
+// Runs fn(i) for i in [0, n) on up to 32 host threads.
+template <class Fn>
+void parallel_for(int64_t n, Fn fn) {
+  const int threads = int(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t i = t; i < n; i += threads) fn(i);
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// ‖got − want‖ / ‖want‖ over float vectors (NaN in got counts as infinite error).
+double rel_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double e = 0, s = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    e += (got[i] - want[i]) * (got[i] - want[i]);
+    s += want[i] * want[i];
+  }
+  return std::sqrt(e / std::max(s, 1e-30));
+}
+
+// ---------------------------------------------------------------------------------------------
+// dh = dy_pool · w2[e] with the SwiGLU backward epilogue, then dp reduce.
+// ---------------------------------------------------------------------------------------------
+
+std::vector<FusedCase> swiglu_backward_cases() {  // n = intermediate, k = hidden
+  return {
+      {"small", 300, 2, 4, 0, 4, 256, 256, 41},
+      {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 42},  // 10 k-blocks, odd tile count
+      {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 43},
+      {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 44},  // I = 768, H = 2048, ~2700 rows
+  };
+}
+
+class SwigluBackwardTest : public FusedTest {};
+
+TEST_P(SwigluBackwardTest, MatchesHostReference) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const FusedCase& c = GetParam();
+  const megamoe_routing_shape shape = fused_shape(c);
+  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
+  const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+  if (HasFailure()) return;
+
+  const int inter = c.n, hidden = c.k, cols = MEGAMOE_DP_PARTIAL_COLS(c.n);
+  const int64_t rows = max_blocks * MEGAMOE_BLOCK_M, live_rows = int64_t(p.num_blocks) * MEGAMOE_BLOCK_M;
+  std::mt19937 rng(c.seed * 7919u);
+  // dy: real rows random, padding rows and rows past the live blocks NaN (the kernel must not mix
+  // them into real rows, nor let them into the zero dz / hp of padding rows).
+  const std::vector<uint16_t> dy = make_pool(p, hidden, rng);
+  const std::vector<uint16_t> w2 = make_weights(int64_t(c.local_experts) * hidden * inter, hidden, rng);  // [E, H, I]
+  // z: real rows uniform in [-6, 6] (linear and saturated sigmoid), others NaN. p: real rows in
+  // (0, 1], ~5% exactly 0 (a zero weight must give exact zeros too); padding rows 0; past: NaN.
+  std::uniform_real_distribution<float> zdist(-6.f, 6.f), pdist(0.f, 1.f);
+  std::vector<uint16_t> z(rows * 2 * inter, kNaNPoison);
+  std::vector<float> pw(rows, std::nanf(""));
+  for (int64_t r = 0; r < live_rows; ++r) {
+    pw[r] = 0.f;
+    if (!is_real_row(p, r)) continue;
+    for (int i = 0; i < 2 * inter; ++i) z[r * 2 * inter + i] = to_bf16(zdist(rng));
+    const float x = pdist(rng);
+    pw[r] = x < 0.05f ? 0.f : x;
+  }
+  DeviceBuffer<uint16_t> dy_dev(dy.size()), w2_dev(w2.size()), z_dev(z.size()), dz_dev(rows * 2 * inter),
+      hp_dev(rows * inter);
+  DeviceBuffer<float> p_dev(rows), dpp_dev(rows * cols), dp_dev(c.tokens * c.top_k);
+  dy_dev.upload(dy);
+  w2_dev.upload(w2);
+  z_dev.upload(z);
+  p_dev.upload(pw);
+  ASSERT_EQ(cudaMemset(dz_dev.ptr, 0xFF, dz_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(hp_dev.ptr, 0xFF, hp_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dpp_dev.ptr, 0xFF, dpp_dev.count * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dp_dev.ptr, 0xFF, dp_dev.count * 4), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(dy_dev.ptr, w2_dev.ptr, z_dev.ptr, p_dev.ptr, dz_dev.ptr,
+                                                      hp_dev.ptr, dpp_dev.ptr, block_expert.ptr, num_blocks.ptr,
+                                                      max_blocks, inter, hidden, c.local_experts, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  DeviceBuffer<int32_t> route_to_slot(p.route_to_slot.size());
+  route_to_slot.upload(p.route_to_slot);
+  ASSERT_EQ(megamoe_dp_reduce(dpp_dev.ptr, route_to_slot.ptr, dp_dev.ptr, int64_t(p.route_to_slot.size()), inter,
+                              max_blocks, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> dz = dz_dev.download(), hp = hp_dev.download();
+  const std::vector<float> dpp = dpp_dev.download(), dp = dp_dev.download();
+
+  // Host reference: dh for every real row (fp32 dots), then the epilogue's math in double.
+  const std::vector<float> dyf = to_float(dy), zf = to_float(z);
+  const std::vector<float> w2t = transpose_experts(to_float(w2), c.local_experts, hidden, inter);  // [E, I, H]
+  std::vector<float> dh(rows * inter, 0.f);
+  parallel_for(live_rows, [&](int64_t r) {
+    if (!is_real_row(p, r)) return;
+    const int64_t e = p.block_expert[r / MEGAMOE_BLOCK_M];
+    for (int i = 0; i < inter; ++i) {
+      dh[r * inter + i] = float(dot(dyf.data() + r * hidden, w2t.data() + (e * inter + i) * hidden, hidden));
+    }
+  });
+  struct Ref {
+    double dg, du, hp, h;
+  };
+  auto ref = [&](int64_t r, int i) {
+    const double g = zf[r * 2 * inter + i], u = zf[r * 2 * inter + inter + i], d = dh[r * inter + i], pr = pw[r];
+    const double sig = 1.0 / (1.0 + std::exp(-g)), silu = g * sig, h = silu * u;
+    return Ref{pr * d * u * sig * (1.0 + g * (1.0 - sig)), pr * d * silu, pr * h, h};
+  };
+  const std::vector<CheckedRow> real = real_rows(p);
+  const Comparison rz = compare_rows(
+      p, 2 * inter, real,
+      [&](int64_t r, int col) { return col < inter ? ref(r, col).dg : ref(r, col - inter).du; }, dz);
+  const Comparison rh = compare_rows(p, inter, real, [&](int64_t r, int col) { return ref(r, col).hp; }, hp);
+  EXPECT_EQ(rz.non_finite, 0) << "dz worst tiles:" << rz.worst;
+  EXPECT_LE(rz.rel_error, 1e-2) << "dz worst tiles:" << rz.worst;
+  EXPECT_EQ(rh.non_finite, 0) << "hp worst tiles:" << rh.worst;
+  EXPECT_LE(rh.rel_error, 1e-2) << "hp worst tiles:" << rh.worst;
+
+  // dp partials of real rows, and dp per route after the reduction (0 for routes without a slot).
+  std::vector<double> got_part, want_part;
+  for (const CheckedRow& row : real) {
+    for (int t = 0; t < cols; ++t) {
+      double s = 0;
+      for (int i = 128 * t; i < 128 * t + 128; ++i) s += ref(row.pool_row, i).h * dh[row.pool_row * inter + i];
+      want_part.push_back(s);
+      got_part.push_back(dpp[row.pool_row * cols + t]);
+    }
+  }
+  const double rp = rel_error(got_part, want_part);
+  EXPECT_LE(rp, 1e-2) << "dp_partial";
+  std::vector<double> got_dp, want_dp;
+  for (size_t route = 0; route < p.route_to_slot.size(); ++route) {
+    const int32_t slot = p.route_to_slot[route];
+    if (slot < 0) {
+      EXPECT_EQ(dp[route], 0.f) << "route without a slot " << route;
+      continue;
+    }
+    double s = 0;
+    for (int t = 0; t < cols; ++t) s += dpp[int64_t(slot) * cols + t];
+    want_dp.push_back(s);
+    got_dp.push_back(dp[route]);
+  }
+  EXPECT_LE(rel_error(got_dp, want_dp), 1e-6) << "dp is the fixed-order sum of the partials";
+
+  // Padding rows: exact zeros in dz and hp. Rows past the live blocks: untouched.
+  int64_t nonzero_padding = 0;
+  for (int64_t r = 0; r < live_rows; ++r) {
+    if (is_real_row(p, r)) continue;
+    for (int i = 0; i < 2 * inter; ++i) nonzero_padding += dz[r * 2 * inter + i] != 0;
+    for (int i = 0; i < inter; ++i) nonzero_padding += hp[r * inter + i] != 0;
+  }
+  EXPECT_EQ(nonzero_padding, 0) << "padding rows of dz / hp must be exact zeros";
+  EXPECT_TRUE(std::all_of(dz.begin() + live_rows * 2 * inter, dz.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "dz rows past num_blocks were written";
+  EXPECT_TRUE(std::all_of(hp.begin() + live_rows * inter, hp.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "hp rows past num_blocks were written";
+  EXPECT_TRUE(std::all_of(dpp.begin() + live_rows * cols, dpp.end(), [](float v) { return std::isnan(v); }))
+      << "dp_partial rows past num_blocks were written";
+  std::cout << "  swiglu_backward " << c.name << ": " << p.num_blocks << " blocks, rel error dz " << rz.rel_error
+            << ", hp " << rh.rel_error << ", dp_partial " << rp << "\n";
+
+  // Deterministic: a second run gives the same bits.
+  ASSERT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(dy_dev.ptr, w2_dev.ptr, z_dev.ptr, p_dev.ptr, dz_dev.ptr,
+                                                      hp_dev.ptr, dpp_dev.ptr, block_expert.ptr, num_blocks.ptr,
+                                                      max_blocks, inter, hidden, c.local_experts, nullptr),
+            MEGAMOE_OK);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(dz_dev.download() == dz && hp_dev.download() == hp) << "not deterministic";
+  const std::vector<float> dpp2 = dpp_dev.download();
+  EXPECT_EQ(std::memcmp(dpp2.data(), dpp.data(), dpp.size() * 4), 0) << "dp_partial not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SwigluBackwardTest, ::testing::ValuesIn(swiglu_backward_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  auto* fp = reinterpret_cast<float*>(buf);
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  struct Bad {
+    const void* dy;
+    const void* w2;
+    const void* z;
+    const float* pp;
+    void* dz;
+    void* hp;
+    float* dpp;
+    const int32_t* block_expert;
+    int64_t max_blocks;
+    int32_t inter, hidden, experts;
+    const char* message;
+  };
+  const char* null_msg = "dy_pool, w2, z_pool, p_pool, dz, hp and dp_partial must be non-null";
+  const Bad bad[] = {
+      {nullptr, p, p, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, nullptr, p, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, p, nullptr, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, p, p, nullptr, p, p, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, p, p, fp, nullptr, p, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, p, p, fp, p, nullptr, fp, ip, 4, 256, 256, 2, null_msg},
+      {p, p, p, fp, p, p, nullptr, ip, 4, 256, 256, 2, null_msg},
+      {p, p, p, fp, p, p, fp, nullptr, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
+      {p, p, p, fp, p, p, fp, ip, 4, 200, 256, 2, "intermediate must be a positive multiple of 128, got 200"},
+      {p, p, p, fp, p, p, fp, ip, 4, 256, 96, 2, "hidden must be a positive multiple of 128, got 96"},
+      {p, p, p, fp, p, p, fp, ip, 4, 256, 256, 0, "num_local_experts must be >= 1"},
+      {p, p, p, fp, p, p, fp, ip, -1, 256, 256, 2, "max_blocks must be >= 0"},
+      {p, p, buf + 4, fp, p, p, fp, ip, 4, 256, 256, 2, "must be 16-byte aligned"},
+      {p, p, p, fp, p, p, fp + 1, ip, 4, 256, 256, 2, "must be 16-byte aligned"},
+      {p, p, p, fp, p, p, fp, ip, int64_t(1) << 25, 256, 256, 2, "exceeds the 32-bit row range"},
+      {p, p, p, fp, p, p, fp, ip, 4, 256, 1 << 20, 4096, "num_local_experts * hidden exceeds"},
+  };
+  for (const auto& x : bad) {
+    EXPECT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(x.dy, x.w2, x.z, x.pp, x.dz, x.hp, x.dpp, x.block_expert, ip,
+                                                        x.max_blocks, x.inter, x.hidden, x.experts, nullptr),
+              MEGAMOE_ERROR_INVALID_ARGUMENT)
+        << x.message;
+    EXPECT_NE(std::string(megamoe_last_error()).find(x.message), std::string::npos) << megamoe_last_error();
+  }
+  EXPECT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(p, p, p, fp, p, p, fp, ip, ip, 0, 256, 256, 2, nullptr),
+            MEGAMOE_OK)
+      << "an empty pool is a no-op: " << megamoe_last_error();
+}
+
+TEST(DpReduceValidation, RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  auto* fp = reinterpret_cast<float*>(buf);
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  EXPECT_EQ(megamoe_dp_reduce(fp, ip, fp, -1, 256, 4, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(megamoe_last_error()).find("num_routes must be >= 0"), std::string::npos);
+  EXPECT_EQ(megamoe_dp_reduce(fp, ip, fp, 8, 200, 4, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(megamoe_last_error()).find("intermediate must be a positive multiple of 128, got 200"),
+            std::string::npos);
+  EXPECT_EQ(megamoe_dp_reduce(fp, ip, fp, 8, 256, -1, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(megamoe_last_error()).find("max_blocks must be >= 0"), std::string::npos);
+  EXPECT_EQ(megamoe_dp_reduce(nullptr, ip, fp, 8, 256, 4, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(megamoe_last_error()).find("dp_partial, route_to_slot and dp must be non-null"),
+            std::string::npos);
+  EXPECT_EQ(megamoe_dp_reduce(nullptr, nullptr, nullptr, 0, 256, 4, nullptr), MEGAMOE_OK) << "no routes: a no-op";
 }
 
 }  // namespace

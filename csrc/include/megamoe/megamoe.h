@@ -120,6 +120,35 @@ int megamoe_grouped_gemm_scatter_mn_bf16(const void* a, const void* b, void* out
                                          int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
                                          void* stream);
 
+// ---------------------------------------------------------------------------------------------
+// Backward of the expert MLP, step 1: dh = dy_pool · w2[e] with the SwiGLU backward in the epilogue.
+// For every block b < *num_blocks with local expert e = block_expert[b], each of its 128 rows r,
+// p = p_pool[r] (the route's top-k weight, 0 for padding rows) and i in [0, I):
+//   dh = dy_pool[r] · w2[e]                  (w2 [E_local, H, I] as stored: a K = H x N = I matrix)
+//   g, u = z_pool[r, i], z_pool[r, I + i]    (the forward's gate | up pre-activations, bf16)
+//   h = silu(g) u;  dh_w = p dh;  dg = dh_w u σ(g) (1 + g (1 − σ(g)));  du = dh_w silu(g)
+//   dz[r, i] = dg, dz[r, I + i] = du, hp[r, i] = p h      (bf16, fp32 math, one rounding each)
+//   dp_partial[r, t] = Σ h dh over i in [128 t, 128 t + 128)   (fp32; t < MEGAMOE_DP_PARTIAL_COLS(I))
+// Rows with p == 0 get dz = hp = 0 exactly. dp[route] = Σ_t dp_partial[slot, t]: megamoe_dp_reduce.
+// dy_pool [max_blocks * 128, hidden], z_pool and dz [max_blocks * 128, 2 * intermediate],
+// hp [max_blocks * 128, intermediate] bf16; p_pool [max_blocks * 128] and
+// dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32. All 16-byte aligned;
+// intermediate and hidden multiples of 128. Rows of blocks >= *num_blocks are not touched.
+// ---------------------------------------------------------------------------------------------
+#define MEGAMOE_DP_PARTIAL_COLS(intermediate) ((intermediate) / 128)
+
+int megamoe_grouped_gemm_swiglu_backward_bf16(const void* dy_pool, const void* w2, const void* z_pool,
+                                              const float* p_pool, void* dz, void* hp, float* dp_partial,
+                                              const int32_t* block_expert, const int32_t* num_blocks,
+                                              int64_t max_blocks, int32_t intermediate, int32_t hidden,
+                                              int32_t num_local_experts, void* stream);
+
+// dp[route] = Σ_t dp_partial[route_to_slot[route], t], t ascending over
+// MEGAMOE_DP_PARTIAL_COLS(intermediate) columns, fp32 (deterministic). Routes with slot -1 or a slot
+// outside [0, max_blocks * 128) get 0. dp [num_routes] fp32 (the d(topk_weights) of the layer).
+int megamoe_dp_reduce(const float* dp_partial, const int32_t* route_to_slot, float* dp, int64_t num_routes,
+                      int32_t intermediate, int64_t max_blocks, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

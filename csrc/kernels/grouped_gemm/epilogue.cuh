@@ -86,6 +86,41 @@ __device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CU
   }
 }
 
+// stage_chunk for values already rounded: v[2 j + h] = bf16 pair of 8-column group j (0..7) of the
+// chunk, row half h (h = 1: row + 8), as pack_bf16x2 of the matching fragment entries.
+__device__ __forceinline__ void stage_packed_chunk(const uint32_t (&v)[16], uint8_t* chunk) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int matrix = lane / 8;
+  const int row = warp * 16 + (matrix % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int p = 0; p < kEpiCols / 16; ++p) {
+    const int group = 2 * p + matrix / 2;
+    auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
+    cute::SM90_U32x4_STSM_N::copy(v[4 * p + 0], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3],
+                                  *reinterpret_cast<cute::uint128_t*>(dst));
+  }
+}
+
+// One packed 64-column chunk of the warpgroup's 64 rows to C[row0.., col0..] by TMA, through chunk
+// buffer `buffer` (callers alternate buffers and issue an even number of chunks per tile).
+template <class Smem>
+__device__ __forceinline__ void tma_store_packed_chunk(const uint32_t (&v)[16], const CUtensorMap* tma_c,
+                                                       const Smem& smem, int warpgroup, int buffer, int row0,
+                                                       int col0) {
+  const bool leader = threadIdx.x % 128 == 0;
+  uint8_t* chunk = smem.epi(warpgroup, buffer);
+  if (leader) cute::tma_store_wait<kEpiBuffers - 1>();  // the store that last read this buffer
+  warpgroup_sync(warpgroup);
+  stage_packed_chunk(v, chunk);
+  cutlass::arch::fence_view_async_shared();
+  warpgroup_sync(warpgroup);
+  if (leader) {
+    cute::SM90_TMA_STORE_2D::copy(tma_c, chunk, col0, row0);
+    cute::tma_store_arrive();
+  }
+}
+
 // Before the CTA exits, its last stores must have finished reading shared memory.
 __device__ __forceinline__ void drain_stores() {
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
