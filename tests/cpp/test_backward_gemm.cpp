@@ -409,4 +409,202 @@ TEST(DpReduceValidation, RejectsBadArguments) {
   EXPECT_EQ(megamoe_dp_reduce(nullptr, nullptr, nullptr, 0, 256, 4, nullptr), MEGAMOE_OK) << "no routes: a no-op";
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Weight gradients: out[e] (+)= A[rows of e]ᵀ · B[rows of e], K-grouped over each expert's rows.
+// ---------------------------------------------------------------------------------------------
+
+// FusedCase fields n, k are the output's m (rows of out[e]) and n (columns) here.
+std::vector<FusedCase> weight_grad_cases() {
+  return {
+      {"small", 300, 2, 4, 0, 4, 256, 256, 51},
+      {"m384_n384_partial_rank", 200, 3, 8, 2, 4, 384, 384, 52},  // N % 256 != 0: 128-wide tile
+      {"long_k", 10000, 4, 8, 0, 8, 128, 256, 53},                // ~16000 rows on the hot expert
+      {"qwen3_30b_dw13", 500, 8, 16, 4, 8, 1536, 2048, 54},       // m = 2I, n = H
+      {"qwen3_30b_dw2", 500, 8, 16, 4, 8, 2048, 768, 55},         // m = H, n = I
+  };
+}
+
+class WeightGradTest : public FusedTest {};
+
+TEST_P(WeightGradTest, MatchesHostReference) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const FusedCase& c = GetParam();
+  const megamoe_routing_shape shape = fused_shape(c);
+  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
+  const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+  if (HasFailure()) return;
+
+  const int m = c.n, n = c.k, experts = c.local_experts;
+  const int64_t rows = max_blocks * MEGAMOE_BLOCK_M, live_rows = int64_t(p.num_blocks) * MEGAMOE_BLOCK_M;
+  const int64_t out_count = int64_t(experts) * m * n;
+  // Real rows random, padding rows zero (as dispatch and the dh epilogue leave them), rows past the
+  // live blocks NaN: outside every expert's K range, never read.
+  std::mt19937 rng(c.seed * 7919u);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  auto make = [&](int cols) {
+    std::vector<uint16_t> v(rows * cols, kNaNPoison);
+    for (int64_t r = 0; r < live_rows; ++r) {
+      for (int i = 0; i < cols; ++i) v[r * cols + i] = is_real_row(p, r) ? to_bf16(dist(rng)) : uint16_t(0);
+    }
+    return v;
+  };
+  const std::vector<uint16_t> a = make(m), b = make(n);
+  DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out16(out_count);
+  DeviceBuffer<float> out32(out_count);
+  DeviceBuffer<int32_t> offsets(p.offsets.size());
+  a_dev.upload(a);
+  b_dev.upload(b);
+  offsets.upload(p.offsets);
+
+  // Host reference per expert over its real rows (fp32 dots, rows padded to a multiple of 8).
+  const std::vector<float> af = to_float(a), bf = to_float(b);
+  std::vector<float> want(out_count, 0.f);
+  for (int e = 0; e < experts; ++e) {
+    const int64_t r0 = p.offsets[e], cnt = p.counts[e], k8 = (cnt + 7) / 8 * 8;
+    if (cnt == 0) continue;
+    std::vector<float> at(m * k8, 0.f), bt(n * k8, 0.f);
+    for (int64_t r = 0; r < cnt; ++r) {
+      for (int i = 0; i < m; ++i) at[i * k8 + r] = af[(r0 + r) * m + i];
+      for (int j = 0; j < n; ++j) bt[j * k8 + r] = bf[(r0 + r) * n + j];
+    }
+    parallel_for(m, [&](int64_t i) {
+      for (int j = 0; j < n; ++j) {
+        want[(int64_t(e) * m + i) * n + j] = float(dot(at.data() + i * k8, bt.data() + j * k8, int(k8)));
+      }
+    });
+  }
+  const int empty = fused_empty(c) - c.local_begin;
+  auto check = [&](const std::vector<double>& got, const std::vector<float>& base, const char* what) {
+    std::vector<double> g, w;
+    double worst = 0;
+    int worst_e = -1;
+    for (int e = 0; e < experts; ++e) {
+      std::vector<double> ge, we;
+      for (int64_t x = int64_t(e) * m * n; x < int64_t(e + 1) * m * n; ++x) {
+        ge.push_back(got[x] - (base.empty() ? 0.0 : base[x]));
+        we.push_back(want[x]);
+      }
+      if (e == empty) {
+        for (int64_t x = int64_t(e) * m * n; x < int64_t(e + 1) * m * n; ++x) {
+          if (got[x] != (base.empty() ? 0.0 : base[x])) {
+            ADD_FAILURE() << what << ": the empty expert's gradient must be " << (base.empty() ? "zero" : "unchanged");
+            break;
+          }
+        }
+        continue;
+      }
+      const double r = rel_error(ge, we);
+      if (!(r <= worst)) worst = r, worst_e = e;
+      g.insert(g.end(), ge.begin(), ge.end());
+      w.insert(w.end(), we.begin(), we.end());
+    }
+    const double r = rel_error(g, w);
+    EXPECT_LE(r, 1e-2) << what << ": worst expert " << worst_e << " rel " << worst;
+    std::cout << "  weight_grad " << c.name << " " << what << ": rel error " << r << " (worst expert " << worst_e
+              << ": " << worst << ")\n";
+  };
+
+  // bf16 out.
+  ASSERT_EQ(cudaMemset(out16.ptr, 0xFF, out16.count * 2), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out16.ptr, offsets.ptr, max_blocks, experts, m, n,
+                                             0, 0, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> o16 = out16.download();
+  {
+    std::vector<double> got(out_count);
+    for (int64_t x = 0; x < out_count; ++x) got[x] = from_bf16(o16[x]);
+    check(got, {}, "bf16");
+  }
+  // fp32 out, overwrite (out poisoned with NaN).
+  ASSERT_EQ(cudaMemset(out32.ptr, 0xFF, out32.count * 4), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, max_blocks, experts, m, n,
+                                             1, 0, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> o32 = out32.download();
+  check(std::vector<double>(o32.begin(), o32.end()), {}, "fp32");
+  // fp32 accumulate into an existing gradient.
+  std::vector<float> base(out_count);
+  for (auto& v : base) v = dist(rng);
+  out32.upload(base);
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, max_blocks, experts, m, n,
+                                             1, 1, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> acc = out32.download();
+  check(std::vector<double>(acc.begin(), acc.end()), base, "fp32 accumulate");
+  // Deterministic: the same bits again.
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, max_blocks, experts, m, n,
+                                             1, 0, nullptr),
+            MEGAMOE_OK);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> again = out32.download();
+  EXPECT_EQ(std::memcmp(again.data(), o32.data(), o32.size() * 4), 0) << "not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, WeightGradTest, ::testing::ValuesIn(weight_grad_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// No pool rows at all: every expert is empty, so out is all zeros (no operand is read).
+TEST(WeightGrad, EmptyPoolWritesZeros) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const int experts = 3, m = 256, n = 128;
+  DeviceBuffer<uint16_t> a(128 * m), b(128 * n);
+  DeviceBuffer<float> out(int64_t(experts) * m * n);
+  DeviceBuffer<int32_t> offsets(experts + 1);
+  offsets.upload({0, 0, 0, 0});
+  ASSERT_EQ(cudaMemset(out.ptr, 0xFF, out.count * 4), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a.ptr, b.ptr, out.ptr, offsets.ptr, 0, experts, m, n, 1, 0, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto o = out.download();
+  EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return v == 0.f; }));
+}
+
+TEST(WeightGradValidation, RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  struct Bad {
+    const void* a;
+    const void* b;
+    void* out;
+    const int32_t* offsets;
+    int64_t max_blocks;
+    int32_t experts, m, n, fp32, accumulate;
+    const char* message;
+  };
+  const char* null_msg = "a_pool, b_pool, out and expert_offsets must be non-null";
+  const Bad bad[] = {
+      {nullptr, p, p, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, nullptr, p, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, nullptr, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, p, nullptr, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, p, ip, 4, 2, 0, 256, 1, 0, "m must be a positive multiple of 128, got 0"},
+      {p, p, p, ip, 4, 2, 256, 192, 1, 0, "n must be a positive multiple of 128, got 192"},
+      {p, p, p, ip, 4, 0, 256, 256, 1, 0, "num_local_experts must be >= 1"},
+      {p, p, p, ip, -1, 2, 256, 256, 1, 0, "max_blocks must be >= 0"},
+      {p, p, p, ip, int64_t(1) << 25, 2, 256, 256, 1, 0, "exceeds the 32-bit row range"},
+      {p, p, p, ip, 4, 4096, 1 << 20, 256, 1, 0, "num_local_experts * m exceeds"},
+      {p, p, p, ip, 4, 2, 256, 256, 2, 0, "out_fp32 must be 0 or 1"},
+      {p, p, p, ip, 4, 2, 256, 256, 1, 3, "accumulate must be 0 or 1"},
+      {p, p, p, ip, 4, 2, 256, 256, 0, 1, "accumulate = 1 needs out_fp32 = 1"},
+      {buf + 2, p, p, ip, 4, 2, 256, 256, 1, 0, "a_pool, b_pool and out must be 16-byte aligned"},
+  };
+  for (const auto& x : bad) {
+    EXPECT_EQ(megamoe_grouped_weight_grad_bf16(x.a, x.b, x.out, x.offsets, x.max_blocks, x.experts, x.m, x.n, x.fp32,
+                                               x.accumulate, nullptr),
+              MEGAMOE_ERROR_INVALID_ARGUMENT)
+        << x.message;
+    EXPECT_NE(std::string(megamoe_last_error()).find(x.message), std::string::npos) << megamoe_last_error();
+  }
+}
+
 }  // namespace

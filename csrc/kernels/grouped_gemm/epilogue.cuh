@@ -43,8 +43,9 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
 // Writes fragment columns [64 c, 64 c + 64) of the warpgroup's 64 rows, as bf16, into a chunk
 // buffer: row r at r * 128 bytes, its 16-byte groups permuted by r % 8 (128B swizzle).
 // c must be a compile-time constant after unrolling (it indexes registers).
+// zero: stage zeros instead (a K-grouped tile without k-blocks); a constant false folds away.
 template <int N>
-__device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_t* chunk) {
+__device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_t* chunk, bool zero = false) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x / 32) % 4;
   const int matrix = lane / 8;
@@ -54,10 +55,11 @@ __device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_
     const int j = c * (kEpiCols / 8) + 2 * p;  // first 8-column group of this 16 x 16 block
     const int group = 2 * p + matrix / 2;      // 16-byte chunk of the 128-byte row, unswizzled
     auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
-    cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]),
-                                  pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
-                                  pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
-                                  pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]),
+    const uint32_t keep = zero ? 0u : ~0u;
+    cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]) & keep,
+                                  pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]) & keep,
+                                  pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]) & keep,
+                                  pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]) & keep,
                                   *reinterpret_cast<cute::uint128_t*>(dst));
   }
 }
@@ -65,7 +67,7 @@ __device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_
 // Stores fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by TMA.
 template <int Chunks, int N, class Smem>
 __device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CUtensorMap* tma_c, const Smem& smem,
-                                                 int warpgroup, int row0, int col0) {
+                                                 int warpgroup, int row0, int col0, bool zero = false) {
   static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   static_assert(Chunks * kEpiCols * kWarpgroupRows <= N * 128, "more columns than the fragment holds");
   const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
@@ -76,7 +78,7 @@ __device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CU
     // previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
     if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
     warpgroup_sync(warpgroup);
-    stage_chunk(acc, c, chunk);
+    stage_chunk(acc, c, chunk, zero);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     warpgroup_sync(warpgroup);
     if (leader) {

@@ -65,15 +65,16 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   const int math_wg = warpgroup - 1;
   PipelineState<Cfg::kStages> state;
   float acc[Cfg::kAccumulators];
+  if constexpr (Sched::kMayBeEmpty) {  // defined values even if the first tile skips the main loop
+#pragma unroll
+    for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
+  }
   for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
     const auto tile = tiles.tile();
     const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
-    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
-      mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
-    } else {  // K-grouped: an expert without rows contributes zeros
-#pragma unroll
-      for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
-    }
+    // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
+    // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
+    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
     Epi::store(acc, epi, smem, math_wg, tile, rows);
   }
   Epi::drain();

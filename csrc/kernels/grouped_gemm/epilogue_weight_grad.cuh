@@ -1,0 +1,63 @@
+// Weight-gradient epilogue (K-grouped GEMM, scheduler_expert.cuh): the 128 x BLOCK_N tile (m-tile,
+// n-tile) of out[e] = A[rows of e]ᵀ · B[rows of e], out [E_local, M, N] row-major.
+//   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as [E M, N].
+//   fp32: each thread stores its fragment pairs straight from registers as float2 (4 lanes cover 32
+//         contiguous bytes of a row: whole sectors); with accumulate, out += tile (read, add, write:
+//         every element is owned by exactly one thread of one tile, so no atomics, deterministic).
+// A tile without k-blocks (an expert without rows) skipped the main loop: it writes zeros (adds
+// nothing), whatever acc holds.
+#pragma once
+
+#include "kernels/grouped_gemm/epilogue.cuh"
+#include "kernels/grouped_gemm/scheduler_expert.cuh"
+
+namespace megamoe::grouped_gemm {
+
+template <int BlockN, bool Fp32>
+struct WeightGradEpilogue {
+  using Cfg = Config<BlockN, 1, Major::MN, Major::MN>;
+  struct Params {
+    CUtensorMap c;  // bf16: out as [E * M, N], 64 x 64 boxes (unused for fp32)
+    float* out;     // fp32: [E, M, N]
+    int m, n;
+    int accumulate;  // fp32 only: out += tile
+  };
+  struct Rows {};
+
+  __device__ static void prefetch(const Params& p) {
+    if constexpr (!Fp32) cute::prefetch_tma_descriptor(&p.c);
+  }
+  __device__ static Rows prepare(const Params&, const ExpertTile&, int) { return {}; }
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
+                               const SharedStorage<Cfg>& smem, int warpgroup, const ExpertTile& t, Rows) {
+    const int row0 = t.expert * p.m + t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
+    const int col0 = t.n_tile * BlockN;
+    if constexpr (!Fp32) {
+      tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, row0, col0, t.k_blocks == 0);
+    } else {
+      const bool zero = t.k_blocks == 0;
+      const int lane = int(threadIdx.x % 32);
+      const int64_t row = row0 + int((threadIdx.x / 32) % 4) * 16 + lane / 4;
+      float* base = p.out + row * p.n + col0 + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < BlockN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float2* dst = reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * j);
+          float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          if (p.accumulate) {
+            const float2 old = *dst;
+            v.x += old.x;
+            v.y += old.y;
+          }
+          *dst = v;
+        }
+      }
+    }
+  }
+  __device__ static void drain() {
+    if constexpr (!Fp32) drain_stores();
+  }
+};
+
+}  // namespace megamoe::grouped_gemm
