@@ -39,18 +39,30 @@ struct WeightGradEpilogue {
       const int lane = int(threadIdx.x % 32);
       const int64_t row = row0 + int((threadIdx.x / 32) % 4) * 16 + lane / 4;
       float* base = p.out + row * p.n + col0 + 2 * (lane % 4);
+      // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the
+      // read-add-write costs one memory round trip per batch, not one per element.
+      constexpr int kBatch = 8;
 #pragma unroll
-      for (int j = 0; j < BlockN / 8; ++j) {
+      for (int j0 = 0; j0 < BlockN / 8; j0 += kBatch) {
+        float2 old[kBatch][2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float2* dst = reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * j);
-          float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          if (p.accumulate) {
-            const float2 old = *dst;
-            v.x += old.x;
-            v.y += old.y;
+        for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            old[j][h] = p.accumulate ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
+                                     : make_float2(0.f, 0.f);
           }
-          *dst = v;
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int x = 4 * (j0 + j) + 2 * h;
+            float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[x], acc[x + 1]);
+            v.x += old[j][h].x;
+            v.y += old[j][h].y;
+            *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
+          }
         }
       }
     }
