@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -250,7 +251,25 @@ inline std::vector<uint16_t> make_weights(int64_t count, int k, std::mt19937& rn
   return w;
 }
 
-// Builds the plan and asserts it covers what the fused tests are for.
+// [E, rows, cols] -> [E, cols, rows] (so a column of B is a contiguous row for dot()).
+inline std::vector<float> transpose_experts(const std::vector<float>& b, int experts, int rows, int cols) {
+  std::vector<float> t(b.size());
+  for (int64_t e = 0; e < experts; ++e) {
+    const float* src = b.data() + e * rows * cols;
+    float* dst = t.data() + e * rows * cols;
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < cols; ++c) dst[int64_t(c) * rows + r] = src[int64_t(r) * cols + c];
+    }
+  }
+  return t;
+}
+
+// The B layout of a scatter GEMM: [E, N, K] (megamoe_grouped_gemm_scatter_bf16, forward h · w2[e])
+// or [E, K, N] (megamoe_grouped_gemm_scatter_mn_bf16, backward dz · w13[e]).
+enum class ScatterB { kNK, kKN };
+
+// Builds the plan and asserts it covers what the fused tests are for; holds the scatter test body
+// shared by both B layouts.
 class FusedTest : public ::testing::TestWithParam<FusedCase> {
  protected:
   Plan plan_for(const FusedCase& c, DeviceBuffer<int32_t>& block_expert, DeviceBuffer<int32_t>& num_blocks,
@@ -268,9 +287,87 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
     // real pool row r to slot_to_route[r] only then writes every live route exactly once.
     for (size_t r = 0; r < p.route_to_slot.size(); ++r) {
       const int32_t slot = p.route_to_slot[r];
-      if (slot >= 0) EXPECT_EQ(p.slot_to_route[slot], int32_t(r)) << "route " << r;
+      if (slot >= 0) {
+        EXPECT_EQ(p.slot_to_route[slot], int32_t(r)) << "route " << r;
+      }
     }
     return p;
+  }
+
+  // out_rows[route] = A[slot] · B[e] for the layout's kernel: every live route written exactly once
+  // against the host reference, masked / non-local routes untouched, and num_out_rows = half giving
+  // bit-identical rows below it (determinism) and untouched rows above.
+  void check_scatter(ScatterB layout) {
+    if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+    const FusedCase& c = GetParam();
+    const megamoe_routing_shape shape = fused_shape(c);
+    const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+    DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
+    const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+    if (HasFailure()) return;
+
+    const bool mn = layout == ScatterB::kKN;
+    const auto gemm = mn ? megamoe_grouped_gemm_scatter_mn_bf16 : megamoe_grouped_gemm_scatter_bf16;
+    const int n = c.n, k = c.k;
+    const int64_t routes = c.tokens * c.top_k;
+    std::mt19937 rng(c.seed * 7919u);
+    const std::vector<uint16_t> a = make_pool(p, k, rng);
+    const std::vector<uint16_t> b = make_weights(int64_t(c.local_experts) * n * k, k, rng);  // [E, N, K] or [E, K, N]
+    DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out_dev(routes * n);
+    a_dev.upload(a);
+    b_dev.upload(b);
+    auto run = [&](int64_t num_out_rows) {
+      EXPECT_EQ(cudaMemset(out_dev.ptr, 0xFF, out_dev.count * 2), cudaSuccess);  // kCPoison everywhere
+      EXPECT_EQ(gemm(a_dev.ptr, b_dev.ptr, out_dev.ptr, slot_to_route.ptr, block_expert.ptr, num_blocks.ptr, max_blocks,
+                     n, k, c.local_experts, num_out_rows, nullptr),
+                MEGAMOE_OK)
+          << megamoe_last_error();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return out_dev.download();
+    };
+    auto poison_row = [&](const std::vector<uint16_t>& out, int64_t route) {
+      return std::all_of(out.begin() + route * n, out.begin() + (route + 1) * n,
+                         [](uint16_t v) { return v == kCPoison; });
+    };
+
+    const std::vector<uint16_t> out = run(routes);
+    ASSERT_FALSE(HasFailure());
+    std::vector<CheckedRow> rows;
+    int64_t untouched = 0;
+    for (int64_t route = 0; route < routes; ++route) {
+      const int32_t slot = p.route_to_slot[route];
+      if (slot >= 0) {
+        rows.push_back({slot, route});
+      } else {
+        ++untouched;
+        EXPECT_TRUE(poison_row(out, route)) << "masked / non-local route " << route << " was written";
+      }
+    }
+    // B as [E, N, K] on the host either way, so a column of B[e] is a contiguous row for dot().
+    const std::vector<float> af = to_float(a);
+    const std::vector<float> bf = mn ? transpose_experts(to_float(b), c.local_experts, k, n) : to_float(b);
+    const Comparison r = compare_rows(
+        p, n, rows,
+        [&](int64_t slot, int col) {
+          const int64_t e = p.block_expert[slot / MEGAMOE_BLOCK_M];
+          return dot(af.data() + slot * k, bf.data() + (e * n + col) * k, k);
+        },
+        out);
+    EXPECT_EQ(r.non_finite, 0) << "worst tiles:" << r.worst;
+    EXPECT_LE(r.rel_error, 1e-2) << "worst tiles:" << r.worst;
+    std::cout << (mn ? "  scatter_mn " : "  scatter ") << c.name << ": " << p.num_blocks << " blocks, " << rows.size()
+              << " routes written, " << untouched << " untouched, rel error " << r.rel_error << "\n";
+
+    // The guard: with num_out_rows = half, routes past it stay poison and the rest are bit-identical.
+    const int64_t half = routes / 2;
+    const std::vector<uint16_t> again = run(half);
+    ASSERT_FALSE(HasFailure());
+    EXPECT_TRUE(std::equal(again.begin(), again.begin() + half * n, out.begin()))
+        << "rows below num_out_rows differ (or the kernel is not deterministic)";
+    for (int64_t route = half; route < routes; ++route) {
+      EXPECT_TRUE(poison_row(again, route)) << "route " << route << " >= num_out_rows was written";
+      if (HasFailure()) break;
+    }
   }
 };
 
