@@ -4,8 +4,10 @@ Forward: routing plan → dispatch into the expert-major pool → GEMM1 with Swi
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
-Backward: until the fused backward kernel lands, the gradients come from the `grouped` backend
-re-run on the saved inputs (its forward is recomputed, then its backward runs).
+Backward (a second op): rebuild the plan and the pool, gather dy, recompute z = x·w13ᵀ, then
+dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its epilogue → dp (fixed-order reduce);
+dx per route = dz·w13 scattered to (token, k) rows and combined; dw2 and dw13 as K-grouped GEMMs over
+each expert's rows. Deterministic: no atomics anywhere. Only the inputs are saved for it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from .backends import grouped_moe
 from .routing import build_routing
 
 # Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
@@ -42,44 +43,122 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+class _Pool:
+    """The routing plan and the expert-major pool of x: what forward and backward both start from."""
+
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int):
+        self.num_tokens, self.top_k = topk_ids.shape
+        self.plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
+        self.max_blocks = self.plan.block_expert.numel()
+        self.rows = self.max_blocks * _native.BLOCK_M
+        self.stream = _stream(x)
+        self.x = self.gather(x)
+
+    def gather(self, token_rows: torch.Tensor) -> torch.Tensor:
+        """[rows, H]: each pool row holds its route's token row; padding rows are zero."""
+        pool = token_rows.new_empty(self.rows, token_rows.shape[1])
+        _native.check(_native.library().megamoe_dispatch_bf16(
+            token_rows.data_ptr(), pool.data_ptr(), self.plan.slot_to_route.data_ptr(),
+            self.plan.num_blocks.data_ptr(), self.max_blocks, self.top_k, token_rows.shape[1],
+            self.stream), "fused dispatch")
+        return pool
+
+    def scatter_combine(self, gemm, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
+                        what: str) -> torch.Tensor:
+        """[T, H] = Σ_k weights[t, k] · (a · B[e])[slot of (t, k)]: a scatter-epilogue GEMM into
+        (token, k) rows (B = b[e]ᵀ or b[e] by the GEMM's layout), then the fixed-order combine."""
+        routed = a.new_empty(self.num_tokens * self.top_k, hidden)
+        _native.check(gemm(
+            a.data_ptr(), b.data_ptr(), routed.data_ptr(), self.plan.slot_to_route.data_ptr(),
+            self.plan.block_expert.data_ptr(), self.plan.num_blocks.data_ptr(), self.max_blocks, hidden,
+            a.shape[1], b.shape[0], routed.shape[0], self.stream), what)
+        out = a.new_empty(self.num_tokens, hidden)
+        weights = weights.to(torch.float32).contiguous()
+        _native.check(_native.library().megamoe_combine_bf16(
+            routed.data_ptr(), weights.data_ptr(), self.plan.route_to_slot.data_ptr(), out.data_ptr(),
+            self.num_tokens, self.top_k, hidden, self.stream), what + " combine")
+        return out
+
+
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    if topk_ids.shape[0] == 0:
+        return torch.empty_like(x)
     lib = _native.library()
-    num_tokens, top_k = topk_ids.shape
     num_local, two_i, hidden = w13.shape
-    plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
-    max_blocks = plan.block_expert.numel()
-    rows = max_blocks * _native.BLOCK_M
-    stream = _stream(x)
-    y = torch.empty_like(x)
-    if num_tokens == 0:
-        return y
-    pool = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    _native.check(lib.megamoe_dispatch_bf16(
-        x.data_ptr(), pool.data_ptr(), plan.slot_to_route.data_ptr(), plan.num_blocks.data_ptr(),
-        max_blocks, top_k, hidden, stream), "fused dispatch")
-    h = torch.empty(rows, two_i // 2, dtype=x.dtype, device=x.device)
+    pool = _Pool(x, topk_ids, num_local)
+    h = x.new_empty(pool.rows, two_i // 2)
     _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
-        pool.data_ptr(), w13.data_ptr(), h.data_ptr(), plan.block_expert.data_ptr(),
-        plan.num_blocks.data_ptr(), max_blocks, two_i // 2, hidden, num_local, stream), "fused GEMM1")
-    del pool
-    routed = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _native.check(lib.megamoe_grouped_gemm_scatter_bf16(
-        h.data_ptr(), w2.data_ptr(), routed.data_ptr(), plan.slot_to_route.data_ptr(),
-        plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), max_blocks, hidden, two_i // 2,
-        num_local, routed.shape[0], stream), "fused GEMM2")
-    del h
-    weights = topk_weights.to(torch.float32).contiguous()
-    _native.check(lib.megamoe_combine_bf16(
-        routed.data_ptr(), weights.data_ptr(), plan.route_to_slot.data_ptr(), y.data_ptr(),
-        num_tokens, top_k, hidden, stream), "fused combine")
-    return y
+        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), pool.plan.block_expert.data_ptr(),
+        pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden, num_local, pool.stream),
+        "fused GEMM1")
+    del pool.x
+    return pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights,
+                                "fused GEMM2")
 
 
 @fused_moe_forward.register_fake
 def _(x, topk_ids, topk_weights, w13, w2):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
+def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
+
+    z = x·w13ᵀ is recomputed (dispatch + plain GEMM) rather than kept from the forward."""
+    grads = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
+    if topk_ids.shape[0] == 0:
+        return tuple(g.zero_() for g in grads)
+    lib = _native.library()
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    pool = _Pool(x, topk_ids, num_local)
+    plan, rows, stream = pool.plan, pool.rows, pool.stream
+    dy_pool = pool.gather(dy.contiguous())
+    z = x.new_empty(rows, two_i)
+    _native.check(lib.megamoe_grouped_gemm_bf16(
+        pool.x.data_ptr(), w13.data_ptr(), z.data_ptr(), plan.block_expert.data_ptr(),
+        plan.num_blocks.data_ptr(), pool.max_blocks, two_i, hidden, num_local, stream), "fused backward z")
+    slot_route = plan.slot_to_route.long()
+    p_pool = torch.where(slot_route >= 0, topk_weights.flatten().float()[slot_route.clamp_min(0)], 0.0)
+    dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
+    dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=x.device)
+    _native.check(lib.megamoe_grouped_gemm_swiglu_backward_bf16(
+        dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(), hp.data_ptr(),
+        dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), pool.max_blocks,
+        inter, hidden, num_local, stream), "fused backward dh")
+    del z
+    dx, dweights, dw13, dw2 = grads
+    if need_dweights:
+        dp = torch.empty(topk_ids.numel(), dtype=torch.float32, device=x.device)
+        _native.check(lib.megamoe_dp_reduce(
+            dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), dp.numel(), inter,
+            pool.max_blocks, stream), "fused backward dp")
+        dweights.copy_(dp.view_as(dweights))
+    if need_dx:
+        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
+        dx.copy_(pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
+                                      "fused backward dx"))
+    for need, out, a, b in ((need_dw2, dw2, dy_pool, hp), (need_dw13, dw13, dz, pool.x)):
+        if need:
+            _native.check(lib.megamoe_grouped_weight_grad_bf16(
+                a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(), pool.max_blocks,
+                num_local, out.shape[1], out.shape[2], 0, 0, stream), "fused backward weight gradient")
+    return dx, dweights, dw13, dw2
+
+
+def _empty_grads(x, topk_weights, w13, w2, *needs):
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((x, topk_weights, w13, w2), needs))
+
+
+@fused_moe_backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2):
+    return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,15 +167,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
-    wanted = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
-    if not any(wanted):
+    needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+    if not any(needs):
         return None, None, None, None, None
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) for t, need in zip((x, topk_weights, w13, w2), wanted)]
-        y = grouped_moe(leaves[0], topk_ids, leaves[1], leaves[2], leaves[3])
-        inputs = [t for t, need in zip(leaves, wanted) if need]
-        grads = iter(torch.autograd.grad(y, inputs, dy))
-    dx, dweights, dw13, dw2 = (next(grads) if need else None for need in wanted)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, *needs)
+    dx, dweights, dw13, dw2 = (g if need else None for g, need in zip(grads, needs))
     return dx, None, dweights, dw13, dw2
 
 

@@ -131,3 +131,50 @@ def test_grouped_traces_whole_under_torch_compile():
     assert relative_error(y, ref) < TOLERANCE
     y.float().sum().backward()
     assert torch.isfinite(xg.grad).all()
+
+
+@requires_cuda
+def test_fused_gradients_are_bitwise_deterministic():
+    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 1024, "skewed",
+                                                   device="cuda")
+    dy = torch.randn_like(x)
+    grads = []
+    for _ in range(2):
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused").backward(dy)
+        grads.append([t.grad for t in leaves])
+        poison_cuda_cache()
+    for name, first, second in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        assert torch.equal(first, second), name
+
+
+@requires_cuda
+@pytest.mark.parametrize("wanted", ["x", "topk_weights", "w13", "w2"])
+def test_fused_computes_only_the_gradients_asked_for(wanted):
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
+    names = ("x", "topk_weights", "w13", "w2")
+    inputs = [leaf(t) if n == wanted else t for n, t in zip(names, (x, weights, w13, w2))]
+    ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
+    dy = torch.randn_like(x)
+    megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused").backward(dy)
+    reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3]).backward(dy.double())
+    for n, got, want in zip(names, inputs, ref_inputs):
+        if n == wanted:
+            assert relative_error(got.grad, want.grad) < TOLERANCE, n
+        else:
+            assert got.grad is None, n
+
+
+def test_fused_ops_fake_implementations_give_gradient_shapes():
+    """What torch.compile sees of the fused ops (shapes and dtypes only, no kernel runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megamoe.fused import fused_moe_backward, fused_moe_forward
+
+    with FakeTensorMode():
+        x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
+        y = fused_moe_forward(x, ids, weights, w13, w2)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, True, False, True, True)
+    assert (y.shape, y.dtype) == (x.shape, x.dtype)
+    expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
+    assert [(g.shape, g.dtype) for g in grads] == expected
