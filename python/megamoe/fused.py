@@ -111,9 +111,9 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     z = x·w13ᵀ is recomputed (dispatch + plain GEMM) rather than kept from the forward."""
-    grads = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
+    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
     if topk_ids.shape[0] == 0:
-        return tuple(g.zero_() for g in grads)
+        return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -133,17 +133,16 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), pool.max_blocks,
         inter, hidden, num_local, stream), "fused backward dh")
     del z
-    dx, dweights, dw13, dw2 = grads
     if need_dweights:
         dp = torch.empty(topk_ids.numel(), dtype=torch.float32, device=x.device)
         _native.check(lib.megamoe_dp_reduce(
             dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), dp.numel(), inter,
             pool.max_blocks, stream), "fused backward dp")
-        dweights.copy_(dp.view_as(dweights))
+        dweights = dp.view(topk_weights.shape).to(topk_weights.dtype)
     if need_dx:
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
-        dx.copy_(pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
-                                      "fused backward dx"))
+        dx = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
+                                  "fused backward dx")
     for need, out, a, b in ((need_dw2, dw2, dy_pool, hp), (need_dw13, dw13, dz, pool.x)):
         if need:
             _native.check(lib.megamoe_grouped_weight_grad_bf16(
