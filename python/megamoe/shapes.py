@@ -44,26 +44,29 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, routing: str = "
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    draw = dict(generator=generator, device=generator.device if generator is not None else None)
+    scores = torch.rand(num_tokens, num_experts, **draw)
     if routing == "skewed":
-        ranks = torch.arange(1, num_experts + 1, dtype=torch.float32)
+        ranks = torch.arange(1, num_experts + 1, dtype=torch.float32, device=scores.device)
         popularity = ranks.pow(-SKEW_EXPONENT)
         # Gumbel-top-k samples K distinct experts with probability ∝ popularity.
         scores = popularity.log() - torch.log(-torch.log(scores.clamp_min(1e-20)))
     topk_ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
-    logits = torch.randn(num_tokens, top_k, generator=generator)
+    logits = torch.randn(num_tokens, top_k, **draw)
     topk_weights = torch.softmax(logits, dim=-1)
     return topk_ids.to(device), topk_weights.to(device)
 
 
 def make_inputs(shape: MoEShape, num_tokens: int, routing: str = "balanced", *, device="cpu",
                 dtype=torch.bfloat16, seed: int = 0):
-    """(x, topk_ids, topk_weights, w13, w2) with weights scaled like a trained layer's (std 1/sqrt(fan_in))."""
-    g = torch.Generator().manual_seed(seed)
+    """(x, topk_ids, topk_weights, w13, w2) with weights scaled like a trained layer's (std 1/sqrt(fan_in)).
+
+    Drawn on `device` itself (the 235B preset's weights take tens of seconds on a host), so the same
+    seed gives different numbers on different device types."""
+    g = torch.Generator(device=device).manual_seed(seed)
     H, I, E = shape.hidden_size, shape.intermediate_size, shape.num_experts
-    x = torch.randn(num_tokens, H, generator=g)
-    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
-    w2 = torch.randn(E, H, I, generator=g) / I**0.5
-    topk_ids, topk_weights = make_routing(num_tokens, E, shape.top_k, routing, generator=g)
-    return (x.to(device, dtype), topk_ids.to(device), topk_weights.to(device),
-            w13.to(device, dtype), w2.to(device, dtype))
+    x = torch.randn(num_tokens, H, generator=g, device=g.device)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=g.device) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g, device=g.device) / I**0.5
+    topk_ids, topk_weights = make_routing(num_tokens, E, shape.top_k, routing, device=g.device, generator=g)
+    return x.to(dtype), topk_ids, topk_weights, w13.to(dtype), w2.to(dtype)

@@ -23,8 +23,7 @@ except ImportError:  # progress display is optional
 
 # Rotating input sets keeps a backend from being timed on activations still in L2 from the last
 # iteration. The sets differ in x and routing and share w13/w2: the weights (≥ 1.2 GB for the Qwen3
-# presets) stream through L2 every iteration anyway, and make_inputs draws them on the host, which
-# takes tens of seconds for the 235B preset, so once per preset is what the device time allows.
+# presets) stream through L2 every iteration anyway, so one draw per preset saves memory.
 INPUT_SETS = 2
 DY_SEED = 12345  # dy is fixed random data, the same for every backend
 
