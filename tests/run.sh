@@ -3,9 +3,9 @@
 # Python tests against that build. GPU tests skip without a GPU; the same command runs them on one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build_dir=${MEGAMOE_BUILD_DIR:-build}
+build_dir=$(realpath -m "${MEGAMOE_BUILD_DIR:-build}")
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release \
   ${CUTLASS_INCLUDE_DIR:+-DCUTLASS_INCLUDE_DIR="$CUTLASS_INCLUDE_DIR"}
 cmake --build "$build_dir" -j "$(nproc)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
-MEGAMOE_LIBRARY="$PWD/$build_dir/libmegamoe.so" python3 -m pytest "$@"
+MEGAMOE_LIBRARY="$build_dir/libmegamoe.so" python3 -m pytest "$@"
