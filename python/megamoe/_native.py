@@ -93,24 +93,20 @@ def library() -> ctypes.CDLL:
     for path in _candidates():
         if path.is_file():
             lib = ctypes.CDLL(str(path))
+            missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+            if missing:
+                raise NativeLibraryError(
+                    f"{path} is older than this Python package (it lacks {', '.join(missing)}): "
+                    "rebuild it (`pip install .`, or `cmake --build build`)")
             for name, (restype, argtypes) in _SIGNATURES.items():
-                if hasattr(lib, name):
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = restype, argtypes
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
             return lib
     searched = ", ".join(str(p) for p in _candidates())
     raise NativeLibraryError(
         f"megamoe's native library ({_LIBRARY_NAME}) was not found (searched: {searched}). "
         "Install the package with `pip install .`, or build it with `cmake -S . -B build && "
         "cmake --build build`, or point MEGAMOE_LIBRARY at the .so.")
-
-
-def is_available() -> bool:
-    try:
-        library()
-    except NativeLibraryError:
-        return False
-    return True
 
 
 def check(status: int, what: str) -> None:
