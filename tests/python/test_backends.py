@@ -178,3 +178,38 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
+def test_activation_checkpointing_gives_the_same_gradients(backend, device):
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, device)
+    dy = torch.randn_like(x)
+    grads = []
+    for checkpointed in (False, True):
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+
+        def layer(xx, ww, a, b):
+            return megamoe.moe(xx, ids, ww, a, b, backend=backend)
+
+        y = (torch.utils.checkpoint.checkpoint(layer, *leaves, use_reentrant=False) if checkpointed
+             else layer(*leaves))
+        y.backward(dy)
+        grads.append([t.grad for t in leaves])
+    for name, plain, checkpointed in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        assert torch.equal(plain, checkpointed), name
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
+def test_gradients_accumulate_across_micro_batches(backend, device):
+    """Two micro-batches into the same weight .grad equal the sum of their separate gradients."""
+    batches = [edge_case_inputs("balanced", SMALL, device, seed=s) for s in (1, 2)]
+    w13, w2 = (leaf(t) for t in batches[0][3:])
+    separate = []
+    for x, ids, weights, _, _ in batches:
+        megamoe.moe(x, ids, weights, w13, w2, backend=backend).float().square().sum().backward()
+        separate.append((w13.grad.clone(), w2.grad.clone()))
+        w13.grad = w2.grad = None
+    for x, ids, weights, _, _ in batches:
+        megamoe.moe(x, ids, weights, w13, w2, backend=backend).float().square().sum().backward()
+    for got, first, second in zip((w13.grad, w2.grad), *separate):
+        assert relative_error(got, first.float() + second.float()) < 1e-2
