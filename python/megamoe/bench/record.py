@@ -26,6 +26,9 @@ class Record:
     # GB (1e9 bytes) at the peak of an iteration: the operands (one input set, plus dy for fwdbwd) and
     # everything the backend allocates on top. From the fwdbwd run, or fwd when only fwd ran. GPU only.
     peak_mem_gb: float | None = None
+    # GB autograd keeps between forward and backward (saved tensors; the weights, which exist
+    # anyway, excluded). None when fwdbwd did not run or the backend hides its saved tensors.
+    saved_gb: float | None = None
     routes: int = 0  # non-masked (token, expert) routes
     fwd_repeats: int | None = None
     fwdbwd_repeats: int | None = None

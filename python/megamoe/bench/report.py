@@ -64,7 +64,7 @@ def write_json(result: dict, out_dir: Path) -> list[Path]:
 COLUMNS = ("preset", "tokens", "routing", "backend", "prec",
            "fwd ms", "TFLOPS", "% peak", "× grouped",
            "fwd+bwd ms", "TFLOPS", "% peak", "× grouped",
-           "mem GB", "skipped")
+           "mem GB", "saved GB", "skipped")
 TEXT_COLUMNS = {0, 2, 3, 4, len(COLUMNS) - 1}  # left-aligned; the numbers are right-aligned
 
 
@@ -75,7 +75,7 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
         for mode in ("fwd", "fwdbwd"):
             row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt_tflops(r[f"{mode}_tflops"]),
                     _fmt(r[f"{mode}_pct_bf16_peak"], ".0f"), _fmt(r[f"{mode}_vs_grouped"], ".2f")]
-        row += [_fmt(r["peak_mem_gb"], ".1f"), _shorten(r["skipped"] or "", 60)]
+        row += [_fmt(r["peak_mem_gb"], ".1f"), _fmt(r["saved_gb"], ".2f"), _shorten(r["skipped"] or "", 60)]
         rows.append(tuple(row))
     return rows
 

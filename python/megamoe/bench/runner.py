@@ -148,6 +148,8 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
             operand_bytes = sets[0].nbytes() + (dy.numel() * dy.element_size() if mode == "fwdbwd" else 0)
             # The last mode wins, so fwdbwd's figure is kept when both ran.
             record.peak_mem_gb = (result.peak_extra_bytes + operand_bytes) / 1e9
+        if mode == "fwdbwd":
+            record.saved_gb = _saved_for_backward_gb(fn, sets[0])
     if reasons:
         distinct = set(reasons.values())
         if len(distinct) == 1 and len(reasons) == len(plan.modes):
@@ -178,6 +180,26 @@ def _measure_mode(fn: backends.MoEFn, mode: str, sets: list[Operands], dy: torch
     reset()
     device.release_cached_memory()
     return reason
+
+
+def _saved_for_backward_gb(fn: backends.MoEFn, operands: Operands) -> float | None:
+    """Bytes of the tensors one forward saves for its backward, each counted once, w13/w2 excluded."""
+    weights = {operands.w13.data_ptr(), operands.w2.data_ptr()}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in weights:
+            saved[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*operands.args())
+    except Exception:  # e.g. a compiled graph that will not run under the hooks: no figure
+        return None
+    finally:
+        operands.clear_grads()
+    return sum(saved.values()) / 1e9
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
