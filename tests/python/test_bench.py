@@ -36,6 +36,8 @@ def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
         assert r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0
         assert r["routes"] == 64 * 2  # tiny: K = 2, nothing masked
         assert r["peak_mem_gb"] is None  # only measured on a GPU
+        # At least x's activations are kept for the backward: 64 tokens x 256 hidden x 2 bytes.
+        assert r["saved_gb"] >= 64 * 256 * 2 / 1e9
     assert records["grouped"]["fwd_vs_grouped"] == records["grouped"]["fwdbwd_vs_grouped"] == 1.0
     assert records["naive"]["fwd_vs_grouped"] > 0
     assert (tmp_path / "latest.png").stat().st_size > 0
