@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from .gemm import grouped_gemm
 from .routing import build_routing
 
 # Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
@@ -120,10 +121,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     pool = _Pool(x, topk_ids, num_local)
     plan, rows, stream = pool.plan, pool.rows, pool.stream
     dy_pool = pool.gather(dy.contiguous())
-    z = x.new_empty(rows, two_i)
-    _native.check(lib.megamoe_grouped_gemm_bf16(
-        pool.x.data_ptr(), w13.data_ptr(), z.data_ptr(), plan.block_expert.data_ptr(),
-        plan.num_blocks.data_ptr(), pool.max_blocks, two_i, hidden, num_local, stream), "fused backward z")
+    z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
     slot_route = plan.slot_to_route.long()
     p_pool = torch.where(slot_route >= 0, topk_weights.flatten().float()[slot_route.clamp_min(0)], 0.0)
     dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
