@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: machine facts, the README's test command (GPU tests included) and
 # the benchmarks. Everything it writes is packed into $OUT/results.tar.gz (the device tool returns
-# at most 8 files). Stages: env tests sanitize gemm bench train parity (default: all but parity);
+# at most 8 files). Stages: env tests sanitize gemm profile bench train parity (default: all but
+# profile and parity);
 # after a failed `tests` stage the later stages are skipped.
 #   device run: MEGAMOE_COMMIT=<sha> bash scripts/gpu_session.sh [stage ...]
 # Carry .whl (the nvidia-cutlass wheel) for the headers; MEGAMOE_COMMIT names the commit, since the
@@ -39,6 +40,10 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
       done ;;
     gemm)
       run_python -m megamoe.bench.gemm --out "$work/bench" 2>&1 | tee "$work/gemm.log" || status=1 ;;
+    profile)
+      # Kernel-by-kernel breakdown of one backend (MEGAMOE_PROFILE_ARGS, default: fused fwd+bwd).
+      run_python -m megamoe.bench.profile --out "$work/bench" ${MEGAMOE_PROFILE_ARGS:-} 2>&1 \
+        | tee -a "$work/profile.log" || status=1 ;;
     bench)
       run_python -m megamoe.bench --out "$work/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 \
         | grep -v "megamoe.bench: " | tee "$work/bench.log" || status=1 ;;
@@ -47,7 +52,7 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
     parity)
       run_python -m megamoe.train.parity --out "$work/bench" 2>&1 | grep -v "it/s\]" | tee "$work/parity.log" || status=1 ;;
     *)
-      echo "unknown stage $stage (env, tests, sanitize, gemm, bench, train, parity)"; status=2 ;;
+      echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, train, parity)"; status=2 ;;
   esac
 done
 exit $status

@@ -4,10 +4,12 @@ Forward: routing plan → dispatch into the expert-major pool → GEMM1 with Swi
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
-Backward (a second op): rebuild the plan and the pool, gather dy, recompute z = x·w13ᵀ, then
-dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its epilogue → dp (fixed-order reduce);
-dx per route = dz·w13 scattered to (token, k) rows and combined; dw2 and dw13 as K-grouped GEMMs over
-each expert's rows. Deterministic: no atomics anywhere. Only the inputs are saved for it.
+Backward (a second op): rebuild the plan and the pool, gather dy, take z = x·w13ᵀ (gate | up in pool
+order) as the forward's GEMM1 epilogue kept it, or recompute it (recompute_z=True: less memory, one
+more GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its epilogue → dp
+(fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and combined; dw2 and dw13
+as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere. Saved for it: the
+inputs, and z unless recomputed (the routing plan is deterministic, so the rebuilt pool order is z's).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from . import _native
 from .gemm import grouped_gemm
-from .routing import build_routing
+from .routing import build_routing, pool_capacity
 
 # Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
 SIZE_MULTIPLE = 128
@@ -83,35 +85,41 @@ class _Pool:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                      w13: torch.Tensor, w2: torch.Tensor, keep_z: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, z): z [pool rows, 2I] is GEMM1's gate | up output in pool order when keep_z, else empty."""
+    z = x.new_empty(0)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x), z
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local)
     h = x.new_empty(pool.rows, two_i // 2)
+    if keep_z:
+        z = x.new_empty(pool.rows, two_i)
     _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
-        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), pool.plan.block_expert.data_ptr(),
-        pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden, num_local, pool.stream),
-        "fused GEMM1")
+        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep_z else None,
+        pool.plan.block_expert.data_ptr(), pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
+        num_local, pool.stream), "fused GEMM1")
     del pool.x
-    return pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights,
-                                "fused GEMM2")
+    y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
+    return y, z
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2):
-    return torch.empty_like(x)
+def _(x, topk_ids, topk_weights, w13, w2, keep_z):
+    if not keep_z or topk_ids.shape[0] == 0:
+        return torch.empty_like(x), x.new_empty(0)
+    return torch.empty_like(x), x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), w13.shape[1])
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, z: torch.Tensor,
                        need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    z = x·w13ᵀ is recomputed (dispatch + plain GEMM) rather than kept from the forward."""
+    z: the forward's kept gate | up pool (fused_moe_forward with keep_z), or empty to recompute it."""
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
@@ -121,7 +129,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     pool = _Pool(x, topk_ids, num_local)
     plan, rows, stream = pool.plan, pool.rows, pool.stream
     dy_pool = pool.gather(dy.contiguous())
-    z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
+    if z.numel() == 0:
+        z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
     slot_route = plan.slot_to_route.long()
     p_pool = torch.where(slot_route >= 0, topk_weights.flatten().float()[slot_route.clamp_min(0)], 0.0)
     dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
@@ -154,22 +163,32 @@ def _empty_grads(x, topk_weights, w13, w2, *needs):
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, z, need_dx, need_dweights, need_dw13, need_dw2):
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, topk_ids, topk_weights, w13, w2, _ = inputs
+    z = output[1]
+    ctx.mark_non_differentiable(z)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, z)
 
 
-def _backward(ctx, dy):
-    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+def _backward(ctx, dy, _dz):
+    x, topk_ids, topk_weights, w13, w2, z = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs):
-        return None, None, None, None, None
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, *needs)
+        return None, None, None, None, None, None
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, z, *needs)
     dx, dweights, dw13, dw2 = (g if need else None for g, need in zip(grads, needs))
-    return dx, None, dweights, dw13, dw2
+    return dx, None, dweights, dw13, dw2, None
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute_z: bool) -> torch.Tensor:
+    """y of the fused op; z is kept for the backward when one will run and recompute_z is off."""
+    backward_will_run = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w13, w2))
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute_z)[0]

@@ -25,6 +25,13 @@ class RoutingPlan:
     num_invalid: torch.Tensor  # [1] int32: ids outside [-1, E), treated as masked
 
 
+def pool_capacity(num_routes, num_local_experts: int):
+    """Pool rows of a plan (megamoe_routing_capacity), in Python so fake tensors can be sized
+    from symbolic shapes: the routes rounded up to blocks, plus a padding block per local expert."""
+    block = _native.BLOCK_M
+    return -(-num_routes // block) * block + num_local_experts * block
+
+
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
     """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all)."""

@@ -259,21 +259,24 @@ TEST_P(SwigluTest, MatchesHostReference) {
   a_dev.upload(a);
   w_dev.upload(w13);
   ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);  // kCPoison everywhere
-  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, block_expert.ptr, num_blocks.ptr,
-                                             max_blocks, inter, hidden, c.local_experts, nullptr),
+  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, nullptr, block_expert.ptr,
+                                             num_blocks.ptr, max_blocks, inter, hidden, c.local_experts, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> out = h_dev.download();
 
   const std::vector<float> af = to_float(a), wf = to_float(w13);
+  // z[row, col]: col < I is gate column col, col >= I up column col - I (both fp32 dots).
+  const auto z_ref = [&](int64_t row, int col) {
+    const float* x = af.data() + row * hidden;
+    const float* w = wf.data() + int64_t(p.block_expert[row / MEGAMOE_BLOCK_M]) * 2 * inter * hidden;
+    return float(dot(x, w + int64_t(col) * hidden, hidden));
+  };
   const Comparison r = compare_rows(
       p, inter, real_rows(p),
       [&](int64_t row, int col) {
-        const float* x = af.data() + row * hidden;
-        const float* w = wf.data() + int64_t(p.block_expert[row / MEGAMOE_BLOCK_M]) * 2 * inter * hidden;
-        const float g = float(dot(x, w + int64_t(col) * hidden, hidden));
-        const float u = float(dot(x, w + int64_t(inter + col) * hidden, hidden));
+        const float g = z_ref(row, col), u = z_ref(row, inter + col);
         return double(g / (1.0f + std::exp(-g)) * u);
       },
       out);
@@ -283,6 +286,23 @@ TEST_P(SwigluTest, MatchesHostReference) {
   const size_t live = size_t(p.num_blocks) * MEGAMOE_BLOCK_M * inter;
   EXPECT_TRUE(std::all_of(out.begin() + live, out.end(), [](uint16_t v) { return v == kCPoison; }))
       << "rows past num_blocks were written";
+
+  // Keeping z for the backward: the same h bit for bit, and z = g | u.
+  DeviceBuffer<uint16_t> z_dev(max_blocks * MEGAMOE_BLOCK_M * 2 * inter);
+  ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(z_dev.ptr, 0xFF, z_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, z_dev.ptr, block_expert.ptr,
+                                             num_blocks.ptr, max_blocks, inter, hidden, c.local_experts, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(h_dev.download() == out) << "h changed when z is kept";
+  const std::vector<uint16_t> z = z_dev.download();
+  const Comparison rz = compare_rows(p, 2 * inter, real_rows(p), z_ref, z);
+  EXPECT_EQ(rz.non_finite, 0) << "worst tiles:" << rz.worst;
+  EXPECT_LE(rz.rel_error, 1e-2) << "worst tiles:" << rz.worst;
+  EXPECT_TRUE(std::all_of(z.begin() + 2 * live, z.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "z rows past num_blocks were written";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(swiglu_cases()),
@@ -325,13 +345,16 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
       {p, p, p, ip, 4, 1 << 20, 256, 2048, "num_local_experts * 2 * intermediate exceeds"},
   };
   for (const auto& x : bad) {
-    EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(x.a, x.w, x.h, x.block_expert, ip, x.max_blocks, x.inter, x.hidden,
-                                               x.experts, nullptr),
+    EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(x.a, x.w, x.h, nullptr, x.block_expert, ip, x.max_blocks, x.inter,
+                                               x.hidden, x.experts, nullptr),
               MEGAMOE_ERROR_INVALID_ARGUMENT)
         << x.message;
     EXPECT_NE(std::string(megamoe_last_error()).find(x.message), std::string::npos) << megamoe_last_error();
   }
-  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
+  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, buf + 4, ip, ip, 4, 256, 256, 2, nullptr),
+            MEGAMOE_ERROR_INVALID_ARGUMENT)
+      << "a misaligned z is rejected";
+  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
       << "an empty pool is a no-op: " << megamoe_last_error();
 }
 

@@ -165,17 +165,38 @@ def test_fused_computes_only_the_gradients_asked_for(wanted):
             assert got.grad is None, n
 
 
+@requires_cuda
+@pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
+def test_fused_recomputed_z_gives_the_kept_z_gradients(case):
+    x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, "cuda")
+    dy = torch.randn_like(x)
+    grads = []
+    for recompute_z in (False, True):
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        poison_cuda_cache()
+        megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused",
+                    recompute_z=recompute_z).backward(dy)
+        grads.append([t.grad for t in leaves])
+    for name, kept, recomputed in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        assert relative_error(recomputed, kept) < 1e-3, name
+
+
 def test_fused_ops_fake_implementations_give_gradient_shapes():
     """What torch.compile sees of the fused ops (shapes and dtypes only, no kernel runs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megamoe.fused import fused_moe_backward, fused_moe_forward
 
-    with FakeTensorMode():
-        x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
-        y = fused_moe_forward(x, ids, weights, w13, w2)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, True, False, True, True)
+    from megamoe.routing import build_routing
+
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
+    pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y, z = fused_moe_forward(x, ids, weights, w13, w2, True)
+        _, no_z = fused_moe_forward(x, ids, weights, w13, w2, False)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, z, True, False, True, True)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
+    assert z.shape == (pool_rows, 2 * SMALL.intermediate_size) and no_z.numel() == 0
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
 

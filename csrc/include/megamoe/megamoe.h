@@ -89,9 +89,10 @@ int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32
 //   H = silu(g) ⊙ u,  silu(g) = g / (1 + exp(-g)) in fp32, rounded once to bf16
 // A [max_blocks * 128, hidden] bf16; w13 [E_local, 2 * intermediate, hidden] bf16 (rows [0, I) =
 // gate, [I, 2I) = up: the gate_up_proj layout); H [max_blocks * 128, intermediate] bf16.
-// intermediate and hidden must be multiples of 128.
+// z: null, or [max_blocks * 128, 2 * intermediate] bf16 that also receives g | u rounded to bf16
+// (the backward's z_pool, kept instead of recomputed). intermediate and hidden multiples of 128.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, void* h, const int32_t* block_expert,
+int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, void* h, void* z, const int32_t* block_expert,
                                      const int32_t* num_blocks, int64_t max_blocks, int32_t intermediate,
                                      int32_t hidden, int32_t num_local_experts, void* stream);
 

@@ -8,33 +8,49 @@
 // its gate values in acc[0, 64) and the matching up values in acc[64, 128), same position for same
 // (row, column): h for acc[x] is silu(acc[x]) * acc[x + 64], and acc[0, 64) is then exactly an
 // m64n128 fragment of the 128-column h tile, which the plain chunk store writes.
+//
+// KeepZ (training): the same halves, rounded to bf16 before SwiGLU, are also stored as z = gate | up
+// [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ.
 #pragma once
 
 #include "kernels/grouped_gemm/epilogue.cuh"
 
 namespace megamoe::grouped_gemm {
 
+template <bool KeepZ>
 struct SwigluEpilogue {
   using Cfg = Config<256, 2>;
   static constexpr int kHCols = Cfg::kBlockN / 2;  // h columns per tile
   static constexpr int kHalf = Cfg::kAccumulators / 2;
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 64 x 64 boxes
+    CUtensorMap z;  // [max_blocks * 128, 2I], 64 x 64 boxes (KeepZ only)
+    int intermediate;
   };
   struct Rows {};
 
-  __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.h); }
+  __device__ static void prefetch(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.h);
+    if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
+  }
   __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
   __device__ static void store(float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
                                int warpgroup, const PoolTile& t, Rows) {
+    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
+    if constexpr (KeepZ) {
+      using Half = const float(&)[kHalf];
+      tma_store_chunks<kHCols / kEpiCols>(reinterpret_cast<Half>(acc[0]), &p.z, smem, warpgroup, row0,
+                                          t.n_tile * kHCols);
+      tma_store_chunks<kHCols / kEpiCols>(reinterpret_cast<Half>(acc[kHalf]), &p.z, smem, warpgroup, row0,
+                                          p.intermediate + t.n_tile * kHCols);
+    }
 #pragma unroll
     for (int x = 0; x < kHalf; ++x) {
       const float g = acc[x];
       // silu(g) = g / (1 + e^-g); for g < -88 e^-g is inf and the quotient 0, the limit.
       acc[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
     }
-    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, t.block * kBlockM + warpgroup * kWarpgroupRows,
-                                        t.n_tile * kHCols);
+    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, row0, t.n_tile * kHCols);
   }
   __device__ static void drain() { drain_stores(); }
 };
