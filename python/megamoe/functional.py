@@ -10,13 +10,13 @@ _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
 
 def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: str = "bf16",
-        group=None, recompute_z: bool = False):
+        group=None, recompute: bool = False):
     """y [T, H] = Σ_k p[t, k] · expert(topk_ids[t, k])(x[t]); differentiable w.r.t. x,
     topk_weights, w13 and w2. See DESIGN.md §1 for the math and the weight layouts.
 
-    recompute_z (fused only): keep nothing but the inputs for the backward and recompute
-    z = x·w13ᵀ there, instead of keeping z (T·K·2I bf16 plus padding) from the forward. The
-    baselines keep what autograd saves for them."""
+    recompute (fused only): keep nothing but the inputs for the backward, and gather x and
+    recompute z = x·w13ᵀ there, instead of keeping the pool of x and z from the forward
+    (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_precision(precision, x.device if hasattr(x, "device") else None)
@@ -31,12 +31,12 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
             "experts on one GPU today (pass group=None)")
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
-        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute_z)
+        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute)
     return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2)
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w2, precision: str = "bf16", group=None,
-              recompute_z: bool = False):
+              recompute: bool = False):
     """The fused persistent-kernel backend (`moe(..., backend="fused")`)."""
     return moe(x, topk_ids, topk_weights, w13, w2, backend="fused", precision=precision, group=group,
-               recompute_z=recompute_z)
+               recompute=recompute)

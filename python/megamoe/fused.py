@@ -4,12 +4,12 @@ Forward: routing plan → dispatch into the expert-major pool → GEMM1 with Swi
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
-Backward (a second op): rebuild the plan and the pool, gather dy, take z = x·w13ᵀ (gate | up in pool
-order) as the forward's GEMM1 epilogue kept it, or recompute it (recompute_z=True: less memory, one
-more GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its epilogue → dp
-(fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and combined; dw2 and dw13
-as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere. Saved for it: the
-inputs, and z unless recomputed (the routing plan is deterministic, so the rebuilt pool order is z's).
+Backward (a second op): rebuild the plan, gather dy, take the pool of x and z = x·w13ᵀ (gate | up,
+pool order) as the forward kept them, or gather and recompute them (recompute=True: only the inputs
+are kept, at the price of a gather and a GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp
+partials in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows
+and combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics
+anywhere. The routing plan is deterministic, so the rebuilt pool order is the kept tensors' order.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ def _stream(t: torch.Tensor) -> int:
 class _Pool:
     """The routing plan and the expert-major pool of x: what forward and backward both start from."""
 
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int):
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None):
         self.num_tokens, self.top_k = topk_ids.shape
         self.plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
         self.stream = _stream(x)
-        self.x = self.gather(x)
+        self.x = self.gather(x) if x_pool is None else x_pool
 
     def gather(self, token_rows: torch.Tensor) -> torch.Tensor:
         """[rows, H]: each pool row holds its route's token row; padding rows are zero."""
@@ -85,48 +85,51 @@ class _Pool:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, keep_z: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, z): z [pool rows, 2I] is GEMM1's gate | up output in pool order when keep_z, else empty."""
-    z = x.new_empty(0)
+                      w13: torch.Tensor, w2: torch.Tensor, keep: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x_pool, z): with keep, the pool of x [pool rows, H] and GEMM1's gate | up output z
+    [pool rows, 2I] for the backward; otherwise both empty."""
+    x_pool, z = x.new_empty(0), x.new_empty(0)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), z
+        return torch.empty_like(x), x_pool, z
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local)
     h = x.new_empty(pool.rows, two_i // 2)
-    if keep_z:
-        z = x.new_empty(pool.rows, two_i)
+    if keep:
+        x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
     _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
-        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep_z else None,
+        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep else None,
         pool.plan.block_expert.data_ptr(), pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
         num_local, pool.stream), "fused GEMM1")
     del pool.x
     y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
-    return y, z
+    return y, x_pool, z
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, keep_z):
-    if not keep_z or topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x.new_empty(0)
-    return torch.empty_like(x), x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), w13.shape[1])
+def _(x, topk_ids, topk_weights, w13, w2, keep):
+    if not keep or topk_ids.shape[0] == 0:
+        return torch.empty_like(x), x.new_empty(0), x.new_empty(0)
+    rows = pool_capacity(topk_ids.numel(), w13.shape[0])
+    return torch.empty_like(x), x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, z: torch.Tensor,
-                       need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
+                       z: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    z: the forward's kept gate | up pool (fused_moe_forward with keep_z), or empty to recompute it."""
+    x_pool, z: what fused_moe_forward kept, or empty to gather and recompute them."""
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    pool = _Pool(x, topk_ids, num_local)
+    pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None)
     plan, rows, stream = pool.plan, pool.rows, pool.stream
     dy_pool = pool.gather(dy.contiguous())
     if z.numel() == 0:
@@ -163,23 +166,24 @@ def _empty_grads(x, topk_weights, w13, w2, *needs):
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, z, need_dx, need_dweights, need_dw13, need_dw2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, need_dx, need_dweights, need_dw13, need_dw2):
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, _ = inputs
-    z = output[1]
-    ctx.mark_non_differentiable(z)
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, z)
+    _, x_pool, z = output
+    ctx.mark_non_differentiable(x_pool, z)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool and z
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z)
 
 
-def _backward(ctx, dy, _dz):
-    x, topk_ids, topk_weights, w13, w2, z = ctx.saved_tensors
+def _backward(ctx, dy, _dx_pool, _dz):
+    x, topk_ids, topk_weights, w13, w2, x_pool, z = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
-    if not any(needs):
+    if not any(needs) or dy is None:
         return None, None, None, None, None, None
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, z, *needs)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, *needs)
     dx, dweights, dw13, dw2 = (g if need else None for g, need in zip(grads, needs))
     return dx, None, dweights, dw13, dw2, None
 
@@ -187,8 +191,9 @@ def _backward(ctx, dy, _dz):
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute_z: bool) -> torch.Tensor:
-    """y of the fused op; z is kept for the backward when one will run and recompute_z is off."""
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool) -> torch.Tensor:
+    """y of the fused op; the pool of x and z are kept for the backward when one will run and
+    recompute is off."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute_z)[0]
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute)[0]

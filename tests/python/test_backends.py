@@ -167,15 +167,15 @@ def test_fused_computes_only_the_gradients_asked_for(wanted):
 
 @requires_cuda
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
-def test_fused_recomputed_z_gives_the_kept_z_gradients(case):
+def test_fused_recompute_gives_the_kept_activations_gradients(case):
     x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, "cuda")
     dy = torch.randn_like(x)
     grads = []
-    for recompute_z in (False, True):
+    for recompute in (False, True):
         leaves = [leaf(t) for t in (x, weights, w13, w2)]
         poison_cuda_cache()
         megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused",
-                    recompute_z=recompute_z).backward(dy)
+                    recompute=recompute).backward(dy)
         grads.append([t.grad for t in leaves])
     for name, kept, recomputed in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
         assert relative_error(recomputed, kept) < 1e-3, name
@@ -192,11 +192,12 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, z = fused_moe_forward(x, ids, weights, w13, w2, True)
-        _, no_z = fused_moe_forward(x, ids, weights, w13, w2, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, z, True, False, True, True)
+        y, x_pool, z = fused_moe_forward(x, ids, weights, w13, w2, True)
+        _, no_x_pool, no_z = fused_moe_forward(x, ids, weights, w13, w2, False)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, x_pool, z, True, False, True, True)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
-    assert z.shape == (pool_rows, 2 * SMALL.intermediate_size) and no_z.numel() == 0
+    assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
+    assert no_x_pool.numel() == 0 and no_z.numel() == 0
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
 
@@ -234,3 +235,18 @@ def test_gradients_accumulate_across_micro_batches(backend, device):
         megamoe.moe(x, ids, weights, w13, w2, backend=backend).float().square().sum().backward()
     for got, first, second in zip((w13.grad, w2.grad), *separate):
         assert relative_error(got, first.float() + second.float()) < 1e-2
+
+
+@requires_cuda
+def test_fused_keeps_no_more_for_the_backward_than_grouped():
+    import functools
+
+    from megamoe.bench.runner import Operands, _saved_for_backward_gb
+
+    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 2048, device="cuda")
+    operands = Operands(leaf(x), ids, leaf(weights), leaf(w13), leaf(w2))
+    saved = {name: _saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
+             for name, kwargs in (("fused", dict(backend="fused")),
+                                  ("recompute", dict(backend="fused", recompute=True)),
+                                  ("grouped", dict(backend="grouped")))}
+    assert saved["recompute"] < saved["fused"] <= saved["grouped"], saved

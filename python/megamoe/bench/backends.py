@@ -13,9 +13,9 @@ from megamoe.validation import BACKENDS as MOE_BACKENDS
 
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# megamoe.moe's own backends, fused with z recomputed in the backward instead of kept, then what
-# users run today.
-BACKENDS = (*MOE_BACKENDS, "fused-recompute-z", "grouped-compiled", "hf-grouped_mm")
+# megamoe.moe's own backends, fused keeping only its inputs for the backward (recompute=True), then
+# what users run today.
+BACKENDS = (*MOE_BACKENDS, "fused-recompute", "grouped-compiled", "hf-grouped_mm")
 
 
 # torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
@@ -35,8 +35,8 @@ class Unavailable(Exception):
 def build(name: str, shape: MoEShape, precision: str) -> MoEFn:
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
-    if name == "fused-recompute-z":
-        return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute_z=True)
+    if name == "fused-recompute":
+        return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute=True)
     if name == "grouped-compiled":
         # dynamic=False: a training run sees one shape and gets kernels specialised for it; the
         # default would switch to dynamic shapes once the benchmark's second token count appears.
