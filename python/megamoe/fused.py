@@ -115,15 +115,19 @@ def _(x, topk_ids, topk_weights, w13, w2, keep):
     return torch.empty_like(x), x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
 
 
-@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
-                       z: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool
+                       z: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
+                       main_grad13: torch.Tensor | None = None, main_grad2: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    x_pool, z: what fused_moe_forward kept, or empty to gather and recompute them."""
-    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
+    x_pool, z: what fused_moe_forward kept, or empty to gather and recompute them.
+    main_grad13 / main_grad2: fp32 buffers shaped like w13 / w2 that the weight gradient is added to
+    in fp32 instead of being returned (it then comes back empty)."""
+    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
+                                           main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
     lib = _native.library()
@@ -153,21 +157,34 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
         dx = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
                                   "fused backward dx")
-    for need, out, a, b in ((need_dw2, dw2, dy_pool, hp), (need_dw13, dw13, dz, pool.x)):
+    weight_grads = []
+    for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, hp),
+                                       (need_dw13, dw13, main_grad13, dz, pool.x)):
+        accumulate = main_grad is not None
+        if accumulate:
+            out = out.new_empty(0)
         if need:
+            target = main_grad if accumulate else out
             _native.check(lib.megamoe_grouped_weight_grad_bf16(
-                a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(), pool.max_blocks,
-                num_local, out.shape[1], out.shape[2], 0, 0, stream), "fused backward weight gradient")
+                a.data_ptr(), b.data_ptr(), target.data_ptr(), plan.expert_offsets.data_ptr(), pool.max_blocks,
+                num_local, target.shape[1], target.shape[2], int(accumulate), int(accumulate), stream),
+                "fused backward weight gradient")
+        weight_grads.append(out)
+    dw2, dw13 = weight_grads
     return dx, dweights, dw13, dw2
 
 
-def _empty_grads(x, topk_weights, w13, w2, *needs):
+def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
+                 main_grad13=None, main_grad2=None):
+    needs = (need_dx, need_dweights, need_dw13 and main_grad13 is None, need_dw2 and main_grad2 is None)
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((x, topk_weights, w13, w2), needs))
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, need_dx, need_dweights, need_dw13, need_dw2):
-    return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2)
+def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, need_dx, need_dweights, need_dw13, need_dw2,
+      main_grad13=None, main_grad2=None):
+    return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
+                        main_grad2)
 
 
 def _setup_context(ctx, inputs, output):
@@ -183,9 +200,30 @@ def _backward(ctx, dy, _dx_pool, _dz):
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
         return None, None, None, None, None, None
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, *needs)
-    dx, dweights, dw13, dw2 = (g if need else None for g, need in zip(grads, needs))
+    main_grads = [main_grad_of(w, name) if need else None
+                  for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, *needs, *main_grads)
+    wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
+    dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
     return dx, None, dweights, dw13, dw2, None
+
+
+def main_grad_of(weight: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The weight's fp32 gradient buffer (`weight.main_grad`, the Megatron-LM convention), checked,
+    or None. With one, the fused backward adds the weight gradient into it in fp32 and leaves
+    `.grad` alone: no bf16 rounding of the gradient and no separate accumulation pass."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return None
+    if (not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32
+            or main_grad.shape != weight.shape or main_grad.device != weight.device
+            or not main_grad.is_contiguous()):
+        got = (f"{main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}"
+               if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__)
+        raise ValueError(
+            f"{name}.main_grad must be a contiguous float32 tensor of shape {tuple(weight.shape)} on "
+            f"{weight.device}, got {got}; delete the attribute to get a bf16 .grad instead")
+    return main_grad
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)

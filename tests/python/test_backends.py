@@ -250,3 +250,35 @@ def test_fused_keeps_no_more_for_the_backward_than_grouped():
                                   ("recompute", dict(backend="fused", recompute=True)),
                                   ("grouped", dict(backend="grouped")))}
     assert saved["recompute"] < saved["fused"] <= saved["grouped"], saved
+
+
+@requires_cuda
+def test_fused_accumulates_weight_gradients_into_fp32_main_grad():
+    """Megatron-style main_grad: two micro-batches add their fp32 weight gradients, .grad stays None."""
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
+    w13g, w2g = leaf(w13), leaf(w2)
+    w13g.main_grad = torch.zeros_like(w13, dtype=torch.float32)
+    w2g.main_grad = torch.zeros_like(w2, dtype=torch.float32)
+    ref13, ref2 = leaf(w13, torch.float64), leaf(w2, torch.float64)
+    dys = [torch.randn_like(x) for _ in range(2)]
+    for dy in dys:
+        megamoe.moe(x, ids, weights, w13g, w2g, backend="fused").backward(dy)
+        reference_moe(x.double(), ids, weights.double(), ref13, ref2).backward(dy.double())
+    assert w13g.grad is None and w2g.grad is None
+    assert relative_error(w13g.main_grad, ref13.grad) < TOLERANCE
+    assert relative_error(w2g.main_grad, ref2.grad) < TOLERANCE
+
+
+@pytest.mark.parametrize("main_grad,message", [
+    (torch.zeros(2, 4, 3), "w2.main_grad must be a contiguous float32 tensor of shape \\(2, 3, 4\\)"),
+    (torch.zeros(2, 3, 4, dtype=torch.bfloat16), "got torch.bfloat16"),
+    ("buffer", "got str"),
+])
+def test_main_grad_must_be_an_fp32_buffer_of_the_weights_shape(main_grad, message):
+    from megamoe.fused import main_grad_of
+
+    weight = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
+    assert main_grad_of(weight, "w2") is None
+    weight.main_grad = main_grad
+    with pytest.raises(ValueError, match=message):
+        main_grad_of(weight, "w2")

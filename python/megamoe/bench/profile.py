@@ -3,7 +3,7 @@
     python -m megamoe.bench.profile [--preset ...] [--tokens N] [--backend ...] [--mode fwd|fwdbwd]
 
 Prints each kernel's time per iteration (summed over its launches) and its share of the GPU time,
-and writes profile_<backend>_<mode>.json. Use it to find the gap between the layer time and the
+and writes profile_<preset>_<backend>_<mode>.json. Use it to find the gap between the layer time and the
 GEMMs' roofline; the timings of record come from `python -m megamoe.bench`.
 """
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
               "command": "python -m megamoe.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv),
               "kernels": [{"name": name, "launches": count, "us": us} for name, (us, count) in rows]}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"profile_{args.backend}_{args.mode}.json"
+    path = args.out / f"profile_{args.preset}_{args.backend}_{args.mode}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
