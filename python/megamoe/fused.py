@@ -1,9 +1,8 @@
 """backend="fused": the Hopper kernels of the core behind one torch.library op.
 
-Forward: routing plan → GEMM1 with SwiGLU in its epilogue → GEMM2 whose epilogue scatters each row
-into its (token, k) slot → fixed-order combine. GEMM1 gathers its rows of x itself, except when the
-backward keeps the pool of x: then x is dispatched into the expert-major pool first and GEMM1 reads
-that. The op has a fake implementation, so torch.compile traces it without graph breaks.
+Forward: routing plan → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
+GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
+a fake implementation, so torch.compile traces it without graph breaks.
 
 Backward (a second op): rebuild the plan, gather dy, take the pool of x and z = x·w13ᵀ (gate | up,
 pool order) as the forward kept them, or gather and recompute them (recompute=True: only the inputs
@@ -48,15 +47,15 @@ def _stream(t: torch.Tensor) -> int:
 
 
 class _Pool:
-    """The routing plan of the expert-major pool, and gathers into that pool: what forward and
-    backward both start from."""
+    """The routing plan and the expert-major pool of x: what forward and backward both start from."""
 
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int):
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None):
         self.num_tokens, self.top_k = topk_ids.shape
         self.plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
         self.stream = _stream(x)
+        self.x = self.gather(x) if x_pool is None else x_pool
 
     def gather(self, token_rows: torch.Tensor) -> torch.Tensor:
         """[rows, H]: each pool row holds its route's token row; padding rows are zero."""
@@ -96,18 +95,14 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local)
-    plan = pool.plan
     h = x.new_empty(pool.rows, two_i // 2)
     if keep:
-        x_pool, z = pool.gather(x), x.new_empty(pool.rows, two_i)
-        _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
-            x_pool.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr(), plan.block_expert.data_ptr(),
-            plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden, num_local, pool.stream), "fused GEMM1")
-    else:  # no pool of x at all: GEMM1 gathers the token rows of its tiles itself
-        _native.check(lib.megamoe_grouped_gemm_swiglu_gather_bf16(
-            x.data_ptr(), pool.num_tokens, pool.top_k, plan.slot_to_route.data_ptr(), w13.data_ptr(), h.data_ptr(),
-            plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
-            num_local, pool.stream), "fused GEMM1")
+        x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
+    _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
+        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep else None,
+        pool.plan.block_expert.data_ptr(), pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
+        num_local, pool.stream), "fused GEMM1")
+    del pool.x
     y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
     return y, x_pool, z
 
@@ -138,13 +133,11 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    pool = _Pool(x, topk_ids, num_local)
+    pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None)
     plan, rows, stream = pool.plan, pool.rows, pool.stream
-    if x_pool.numel() == 0:
-        x_pool = pool.gather(x)
     dy_pool = pool.gather(dy.contiguous())
     if z.numel() == 0:
-        z = grouped_gemm(x_pool, w13, plan)  # [rows, 2I]: gate | up pre-activations
+        z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
     slot_route = plan.slot_to_route.long()
     p_pool = torch.where(slot_route >= 0, topk_weights.flatten().float()[slot_route.clamp_min(0)], 0.0)
     dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
@@ -166,7 +159,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
                                   "fused backward dx")
     weight_grads = []
     for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, hp),
-                                       (need_dw13, dw13, main_grad13, dz, x_pool)):
+                                       (need_dw13, dw13, main_grad13, dz, pool.x)):
         accumulate = main_grad is not None
         if accumulate:
             out = out.new_empty(0)

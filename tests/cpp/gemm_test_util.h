@@ -220,16 +220,6 @@ struct FusedCase {
 
 inline void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
 
-// GEMM1 + SwiGLU shapes (n = intermediate, k = hidden), shared by the pool and gathered variants.
-inline std::vector<FusedCase> swiglu_cases() {
-  return {
-      {"small", 300, 2, 4, 0, 4, 256, 256, 11},
-      {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 12},  // odd tile count, 10 k-blocks
-      {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 13},
-      {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 14},  // I = 768, H = 2048, ~2700 rows
-  };
-}
-
 inline megamoe_routing_shape fused_shape(const FusedCase& c) {
   return {c.tokens, c.top_k, c.experts, c.local_begin, c.local_experts};
 }

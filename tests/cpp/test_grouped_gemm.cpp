@@ -222,6 +222,15 @@ TEST(GroupedGemmValidation, EmptyPoolIsANoOp) {
 // ---------------------------------------------------------------------------------------------
 
 
+std::vector<FusedCase> swiglu_cases() {
+  return {
+      {"small", 300, 2, 4, 0, 4, 256, 256, 11},
+      {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 12},  // odd tile count, 10 k-blocks
+      {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 13},
+      {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 14},  // I = 768, H = 2048, ~2700 rows
+  };
+}
+
 std::vector<FusedCase> scatter_cases() {
   return {
       {"small", 300, 2, 4, 0, 4, 256, 256, 21},

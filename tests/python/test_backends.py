@@ -181,20 +181,6 @@ def test_fused_recompute_gives_the_kept_activations_gradients(case):
         assert relative_error(recomputed, kept) < 1e-3, name
 
 
-@requires_cuda
-@pytest.mark.parametrize("case", ["masked", "one_expert", "empty_experts", "odd_t", "t1"])
-def test_fused_forward_without_a_pool_of_x_is_bitwise_the_pooled_one(case):
-    """keep=False: GEMM1 gathers its rows of x itself; keep=True: dispatch, then GEMM1 on the pool."""
-    from megamoe.fused import fused_moe_forward
-
-    x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, "cuda")
-    poison_cuda_cache()
-    gathered = fused_moe_forward(x, ids, weights, w13, w2, False)[0]
-    poison_cuda_cache()
-    pooled = fused_moe_forward(x, ids, weights, w13, w2, True)[0]
-    assert torch.equal(gathered, pooled)
-
-
 def test_fused_ops_fake_implementations_give_gradient_shapes():
     """What torch.compile sees of the fused ops (shapes and dtypes only, no kernel runs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

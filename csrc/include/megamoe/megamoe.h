@@ -97,20 +97,6 @@ int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, void* h, vo
                                      int32_t hidden, int32_t num_local_experts, void* stream);
 
 // ---------------------------------------------------------------------------------------------
-// The same GEMM1 (z not kept) with A gathered from the token rows instead of a dispatched pool:
-// row r of block b is x[slot_to_route[r] / top_k], or zeros where slot_to_route[r] is -1 (padding)
-// or outside [0, num_tokens * top_k). On a valid plan H is bit-identical to megamoe_dispatch_bf16 +
-// megamoe_grouped_gemm_swiglu_bf16, and no pool of x is written. x [num_tokens, hidden] bf16
-// row-major, 16-byte aligned; slot_to_route [max_blocks * 128] is the routing plan's; the other
-// arguments are megamoe_grouped_gemm_swiglu_bf16's.
-// ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_swiglu_gather_bf16(const void* x, int64_t num_tokens, int32_t top_k,
-                                            const int32_t* slot_to_route, const void* w13, void* h,
-                                            const int32_t* block_expert, const int32_t* num_blocks,
-                                            int64_t max_blocks, int32_t intermediate, int32_t hidden,
-                                            int32_t num_local_experts, void* stream);
-
-// ---------------------------------------------------------------------------------------------
 // GEMM2 of the expert MLP with the rows scattered to their combine slots.
 // For every block b < *num_blocks with local expert e = block_expert[b], each pool row r of it:
 //   out_rows[slot_to_route[r], :] = H[r, :] · w2[e]ᵀ      (fp32 accumulation, one bf16 rounding)

@@ -1,13 +1,11 @@
 // Persistent, warp-specialised BF16 grouped GEMM over a routing plan's expert-major pool (sm_90a),
 // templated on its epilogue policy (epilogue.cuh: plain store, epilogue_swiglu.cuh,
 // epilogue_scatter.cuh, epilogue_swiglu_backward.cuh, epilogue_weight_grad.cuh) and its scheduler
-// policy (scheduler.cuh: pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients) and
-// its A policy (mainloop.cuh: TMA; operand_gather.cuh: token rows gathered by cp.async).
+// policy (scheduler.cuh: pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients).
 //
 // One CTA per SM, 384 threads:
 //   warpgroup 0  producer: one thread issues the TMA loads of every tile's A and B k-blocks into a
-//                multi-stage ring (a gathered A: warp 0 copies A itself); the warpgroup gives most
-//                of its registers back (setmaxnreg).
+//                multi-stage ring; the warpgroup gives most of its registers back (setmaxnreg).
 //   warpgroups 1-2  math: each owns 64 rows of the 128 x BLOCK_N tile, issues wgmma from shared
 //                memory, then runs the epilogue on its rows while the producer is already filling
 //                the ring with the next tile.
@@ -37,9 +35,9 @@
 
 namespace megamoe::grouped_gemm {
 
-template <class Epi, class Sched, class A>
+template <class Epi, class Sched>
 __global__ void __launch_bounds__(kThreads, 1)
-grouped_gemm_kernel(const __grid_constant__ typename A::Params a, const __grid_constant__ CUtensorMap tma_b,
+grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ typename Epi::Params epi,
                     const __grid_constant__ typename Sched::Params sched_params) {
   using Cfg = typename Epi::Cfg;
@@ -48,10 +46,10 @@ grouped_gemm_kernel(const __grid_constant__ typename A::Params a, const __grid_c
   const int warpgroup = int(threadIdx.x / 128);
 
   if (threadIdx.x == 0) {
-    A::prefetch(a);
+    cute::prefetch_tma_descriptor(&tma_a);
     cute::prefetch_tma_descriptor(&tma_b);
     Epi::prefetch(epi);
-    init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, A::kFullArrivals, kMathWarps);
+    init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, kMathWarps);
   }
   __syncthreads();
 
@@ -59,7 +57,7 @@ grouped_gemm_kernel(const __grid_constant__ typename A::Params a, const __grid_c
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x < A::kProducerThreads) produce_operands<Cfg, A>(a, &tma_b, smem, sched);
+    if (threadIdx.x == 0) produce_operands<Cfg>(&tma_a, &tma_b, smem, sched);
     return;
   }
 
@@ -76,7 +74,7 @@ grouped_gemm_kernel(const __grid_constant__ typename A::Params a, const __grid_c
     const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
     // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
     // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
-    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg, A>(acc, smem, state, tile.k_blocks, math_wg);
+    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
     Epi::store(acc, epi, smem, math_wg, tile, rows);
   }
   Epi::drain();

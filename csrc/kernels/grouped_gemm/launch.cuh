@@ -95,11 +95,11 @@ inline int validate_pool_gemm(const std::string& fn, const int32_t* block_expert
 }
 
 // One CTA per SM (fewer if there are fewer tiles); max_tiles bounds the scheduler's tile count.
-template <class Epi, class Sched, class A = TmaLoadedA>
-int launch(const typename A::Params& a, const CUtensorMap& b, const typename Epi::Params& epi,
+template <class Epi, class Sched>
+int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
            const typename Sched::Params& sched, int64_t max_tiles, void* stream) {
   using Cfg = typename Epi::Cfg;
-  auto kernel = grouped_gemm_kernel<Epi, Sched, A>;
+  auto kernel = grouped_gemm_kernel<Epi, Sched>;
   int device = 0, sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -112,12 +112,12 @@ int launch(const typename A::Params& a, const CUtensorMap& b, const typename Epi
 }
 
 // The pool GEMMs: tiles = live blocks x n_tiles, K fixed.
-template <class Epi, class A = TmaLoadedA>
-int launch_pool(const typename A::Params& a, const CUtensorMap& b, const typename Epi::Params& epi,
+template <class Epi>
+int launch_pool(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
                 const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks, int n_tiles, BRows b_rows,
                 int32_t k, void* stream) {
   const PoolScheduler::Params sched{block_expert, num_blocks, int(max_blocks), n_tiles, k / kBlockK, b_rows};
-  return launch<Epi, PoolScheduler, A>(a, b, epi, sched, max_blocks * n_tiles, stream);
+  return launch<Epi, PoolScheduler>(a, b, epi, sched, max_blocks * n_tiles, stream);
 }
 
 }  // namespace megamoe::grouped_gemm

@@ -1,5 +1,4 @@
-// Main loop: the producer (TMA for B; TMA or an A policy's own copies for A) and the wgmma
-// consumers of one 128 x BLOCK_N tile.
+// Main loop: the TMA producer and the wgmma consumers of one 128 x BLOCK_N tile.
 //
 // Operand tiles are 128B-swizzled, K-major or MN-major (operand.cuh: TMA boxes, descriptors, the
 // k-step); the wgmma op carries the majorness of each operand. The scheduler policy
@@ -56,63 +55,32 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
-// How a stage's A tile reaches shared memory: the kernel's A policy (TmaLoadedA below; GatheredA in
-// operand_gather.cuh). It gives the kernel:
-//   Params (a kernel parameter), kProducerThreads (threads of warpgroup 0 that run the producer),
-//   kFullArrivals (arrivals that, with the transaction bytes, complete a stage's full barrier),
-//   kTmaBytes (A's share of the stage's TMA transaction), kGenericProxyWrites (A lands through the
-//   generic proxy, so the math warpgroups must fence before wgmma reads it), prefetch(params),
-//   rows(params, origin) -> Rows (per-tile producer state), load<Cfg>(...) (one k-block, called by
-//   every producer thread) and drain() (before the producer exits).
-struct TmaLoadedA {
-  using Params = CUtensorMap;
-  struct Rows {};
-  static constexpr int kProducerThreads = 1;
-  static constexpr int kFullArrivals = 1;  // the producer's arrive_and_expect_tx
-  static constexpr int kTmaBytes = kBlockM * kBlockK * 2;
-  static constexpr bool kGenericProxyWrites = false;
-
-  __device__ static void prefetch(const Params& map) { cute::prefetch_tma_descriptor(&map); }
-  __device__ static Rows rows(const Params&, const TileOrigin&) { return {}; }
-  template <class Cfg>
-  __device__ static void load(const Params& map, Rows, uint64_t* full, uint8_t* tile, const TileOrigin& o, int kb) {
-    OperandLayout<Cfg::kAMajor>::template load<kBlockM, 1>(&map, full, tile, o.a_mn, o.a_k + kb * kBlockK, 0);
-  }
-  __device__ static void drain() {}
-};
-
-// The producer threads stream every tile's A and B k-blocks into the ring; thread 0 arms each
-// stage's full barrier with its TMA bytes and issues B's boxes.
-template <class Cfg, class A, class Sched, class Smem>
-__device__ void produce_operands(const typename A::Params& a, const CUtensorMap* tma_b, const Smem& smem,
+// One thread streams every tile's A and B k-blocks into the ring.
+template <class Cfg, class Sched, class Smem>
+__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const Smem& smem,
                                  Sched sched) {
+  using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
-  static_assert(A::kTmaBytes == 0 || A::kTmaBytes == Cfg::kABytes, "A is loaded whole by TMA or not at all");
-  const bool arms = threadIdx.x == 0;
   PipelineState<Cfg::kStages> state;
   for (; sched.valid(); sched.advance()) {
     const auto tile = sched.tile();
     const TileOrigin o = sched.template origin<Cfg>(tile);
-    const typename A::Rows rows = A::rows(a, o);
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
       uint64_t* full = smem.full(state.stage);
-      if (arms) {
-        Barrier::arrive_and_expect_tx(full, A::kTmaBytes + Cfg::kBBytes);
-        LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(state.stage), o.b_mn,
-                                                      o.b_k + kb * kBlockK, o.b_box_stride);
-      }
-      A::template load<Cfg>(a, rows, full, smem.a(state.stage), o, kb);
+      Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);  // A and every B box
+      LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * kBlockK, 0);
+      LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(state.stage), o.b_mn,
+                                                    o.b_k + kb * kBlockK, o.b_box_stride);
       state.advance();
     }
   }
-  A::drain();
 }
 
 // One math warpgroup's share of a tile (k_blocks >= 1): rows [64 wg, 64 wg + 64) x all BLOCK_N columns, fp32.
 // The batch of 4 wgmmas for k-block kb stays in flight while we wait for kb - 1's batch, so the
 // tensor cores never drain between k-blocks; kb - 1's stage is released as soon as it completes.
-template <class Cfg, class A, class Smem>
+template <class Cfg, class Smem>
 __device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                          PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup) {
   using LA = OperandLayout<Cfg::kAMajor>;
@@ -123,10 +91,6 @@ __device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem,
   int previous_stage = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {
     Barrier::wait(smem.full(state.stage), state.phase);
-    // A written through the generic proxy (cp.async) must be made visible to wgmma's async proxy.
-    // Its writers cannot fence: their copies complete asynchronously, signalled only by the full
-    // barrier. So every thread that issues the wgmma fences after observing that barrier.
-    if constexpr (A::kGenericProxyWrites) cutlass::arch::fence_view_async_shared();
     const uint64_t desc_a = LA::descriptor(smem.a(state.stage) + a_offset);
     const uint64_t desc_b = LB::descriptor(smem.b(state.stage));
     fence_accumulators(acc);
