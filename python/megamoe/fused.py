@@ -119,13 +119,14 @@ def _(x, topk_ids, topk_weights, w13, w2, keep):
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
                        z: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
-                       main_grad13: torch.Tensor | None = None, main_grad2: torch.Tensor | None = None,
+                       main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     x_pool, z: what fused_moe_forward kept, or empty to gather and recompute them.
-    main_grad13 / main_grad2: fp32 buffers shaped like w13 / w2 that the weight gradient is added to
-    in fp32 instead of being returned (it then comes back empty)."""
+    main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
+    added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
+    in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
                                            main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
@@ -182,7 +183,7 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 @fused_moe_backward.register_fake
 def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, need_dx, need_dweights, need_dw13, need_dw2,
-      main_grad13=None, main_grad2=None):
+      main_grad13, main_grad2):
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
                         main_grad2)
 

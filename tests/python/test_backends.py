@@ -194,7 +194,7 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     with FakeTensorMode(allow_non_fake_inputs=True):
         y, x_pool, z = fused_moe_forward(x, ids, weights, w13, w2, True)
         _, no_x_pool, no_z = fused_moe_forward(x, ids, weights, w13, w2, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, x_pool, z, True, False, True, True)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, x_pool, z, True, False, True, True, None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0
