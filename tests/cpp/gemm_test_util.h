@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "megamoe/megamoe.h"
+#include "status_util.h"
 
 namespace megamoe_test {
 
@@ -268,13 +269,23 @@ inline std::vector<float> transpose_experts(const std::vector<float>& b, int exp
 // or [E, K, N] (megamoe_grouped_gemm_scatter_mn_bf16, backward dz · w13[e]).
 enum class ScatterB { kNK, kKN };
 
+// The device arrays of a routing plan that the pool GEMMs read, sized for the shape's worst case.
+struct DevicePlan {
+  explicit DevicePlan(const megamoe_routing_shape& s)
+      : max_blocks(megamoe_routing_max_blocks(&s)),
+        block_expert(max_blocks),
+        num_blocks(1),
+        slot_to_route(megamoe_routing_capacity(&s)) {}
+  int64_t max_blocks;
+  DeviceBuffer<int32_t> block_expert, num_blocks, slot_to_route;
+};
+
 // Builds the plan and asserts it covers what the fused tests are for; holds the scatter test body
 // shared by both B layouts.
 class FusedTest : public ::testing::TestWithParam<FusedCase> {
  protected:
-  Plan plan_for(const FusedCase& c, DeviceBuffer<int32_t>& block_expert, DeviceBuffer<int32_t>& num_blocks,
-                DeviceBuffer<int32_t>& slot_to_route) {
-    const Plan p = build_plan(fused_shape(c), make_fused_ids(c), block_expert, num_blocks, slot_to_route);
+  Plan plan_for(const FusedCase& c, DevicePlan& d) {
+    const Plan p = build_plan(fused_shape(c), make_fused_ids(c), d.block_expert, d.num_blocks, d.slot_to_route);
     const int hot = fused_hot(c) - c.local_begin, empty = fused_empty(c) - c.local_begin;
     EXPECT_EQ(p.counts[empty], 0) << "an empty expert";
     EXPECT_GE((p.counts[hot] + MEGAMOE_BLOCK_M - 1) / MEGAMOE_BLOCK_M, 2) << "an expert with several blocks";
@@ -300,10 +311,8 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
   void check_scatter(ScatterB layout) {
     if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
     const FusedCase& c = GetParam();
-    const megamoe_routing_shape shape = fused_shape(c);
-    const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
-    DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1), slot_to_route(megamoe_routing_capacity(&shape));
-    const Plan p = plan_for(c, block_expert, num_blocks, slot_to_route);
+    DevicePlan d(fused_shape(c));
+    const Plan p = plan_for(c, d);
     if (HasFailure()) return;
 
     const bool mn = layout == ScatterB::kKN;
@@ -318,8 +327,8 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
     b_dev.upload(b);
     auto run = [&](int64_t num_out_rows) {
       EXPECT_EQ(cudaMemset(out_dev.ptr, 0xFF, out_dev.count * 2), cudaSuccess);  // kCPoison everywhere
-      EXPECT_EQ(gemm(a_dev.ptr, b_dev.ptr, out_dev.ptr, slot_to_route.ptr, block_expert.ptr, num_blocks.ptr, max_blocks,
-                     n, k, c.local_experts, num_out_rows, nullptr),
+      EXPECT_EQ(gemm(a_dev.ptr, b_dev.ptr, out_dev.ptr, d.slot_to_route.ptr, d.block_expert.ptr, d.num_blocks.ptr,
+                     d.max_blocks, n, k, c.local_experts, num_out_rows, nullptr),
                 MEGAMOE_OK)
           << megamoe_last_error();
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
