@@ -158,25 +158,20 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
         dx = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
                                   "fused backward dx")
-    weight_grads = []
+    # Into the returned bf16 gradient, or added in fp32 to main_grad (the returned one is then empty).
     for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, hp),
                                        (need_dw13, dw13, main_grad13, dz, pool.x)):
-        accumulate = main_grad is not None
-        if accumulate:
-            out = out.new_empty(0)
         if need:
-            target = main_grad if accumulate else out
+            accumulate = int(main_grad is not None)
+            target = out if main_grad is None else main_grad
             _native.check(lib.megamoe_grouped_weight_grad_bf16(
                 a.data_ptr(), b.data_ptr(), target.data_ptr(), plan.expert_offsets.data_ptr(), pool.max_blocks,
-                num_local, target.shape[1], target.shape[2], int(accumulate), int(accumulate), stream),
+                num_local, target.shape[1], target.shape[2], accumulate, accumulate, stream),
                 "fused backward weight gradient")
-        weight_grads.append(out)
-    dw2, dw13 = weight_grads
     return dx, dweights, dw13, dw2
 
 
-def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
-                 main_grad13=None, main_grad2=None):
+def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
     needs = (need_dx, need_dweights, need_dw13 and main_grad13 is None, need_dw2 and main_grad2 is None)
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((x, topk_weights, w13, w2), needs))
 

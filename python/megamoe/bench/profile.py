@@ -20,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from megamoe.shapes import PRESETS, make_inputs
 
-from . import backends
+from . import backends, runner
+from .record import MODES
 from .report import git_commit
 
 NAME_WIDTH = 90
@@ -46,29 +47,25 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--backend", choices=backends.BACKENDS, default="fused")
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd")
+    parser.add_argument("--mode", choices=MODES, default="fwdbwd")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
     shape = PRESETS[args.preset]
     x, ids, weights, w13, w2 = make_inputs(shape, args.tokens, device="cuda")
-    leaves = [t.requires_grad_() for t in (x, weights, w13, w2)]
-    dy = torch.randn_like(x)
+    operands = runner.Operands(x.requires_grad_(), ids, weights.requires_grad_(), w13.requires_grad_(),
+                               w2.requires_grad_())
     fn = backends.build(args.backend, shape, args.precision)
+    run = runner.step(fn, args.mode, [operands], torch.randn_like(x))
 
-    def step():
-        if args.mode == "fwd":
-            with torch.no_grad():
-                fn(x, ids, weights, w13, w2)
-            return
-        fn(x, ids, weights, w13, w2).backward(dy)
-        for t in leaves:
-            t.grad = None
+    def iteration():
+        run(0)
+        operands.clear_grads()
 
     for _ in range(3):  # warm up: compilation, autotuning, allocator
-        step()
-    times = kernel_times(step, args.iterations)
+        iteration()
+    times = kernel_times(iteration, args.iterations)
     total = sum(us for us, _ in times.values())
     rows = sorted(times.items(), key=lambda item: -item[1][0])
     print(f"{args.preset} T={args.tokens} {args.backend} {args.precision} {args.mode}: "

@@ -161,7 +161,7 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
 def _measure_mode(fn: backends.MoEFn, mode: str, sets: list[Operands], dy: torch.Tensor, budget: Budget,
                   device: Device) -> Measurement | str:
     """The measurement, or why there is none."""
-    run = _forward(fn, sets) if mode == "fwd" else _forward_backward(fn, sets, dy)
+    run = step(fn, mode, sets, dy)
 
     def reset():
         for s in sets:
@@ -207,16 +207,14 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return lines[0][:limit] if lines else ""
 
 
-def _forward(fn: backends.MoEFn, sets: list[Operands]) -> Callable[[int], None]:
-    def run(i: int) -> None:
-        with torch.no_grad():
-            fn(*sets[i % len(sets)].args())
-
-    return run
-
-
-def _forward_backward(fn: backends.MoEFn, sets: list[Operands], dy: torch.Tensor) -> Callable[[int], None]:
-    def run(i: int) -> None:
-        fn(*sets[i % len(sets)].args()).backward(dy)
-
+def step(fn: backends.MoEFn, mode: str, sets: list[Operands], dy: torch.Tensor) -> Callable[[int], None]:
+    """run(i): one timed iteration of `mode` on input set i (mod the number of sets). fwd runs under
+    no_grad; fwdbwd runs y.backward(dy), leaving the gradients for the caller to clear."""
+    if mode == "fwd":
+        def run(i: int) -> None:
+            with torch.no_grad():
+                fn(*sets[i % len(sets)].args())
+    else:
+        def run(i: int) -> None:
+            fn(*sets[i % len(sets)].args()).backward(dy)
     return run
