@@ -61,9 +61,9 @@ class _Pool:
         """[rows, H]: each pool row holds its route's token row; padding rows are zero."""
         pool = token_rows.new_empty(self.rows, token_rows.shape[1])
         _native.check(_native.library().megamoe_dispatch_bf16(
-            token_rows.data_ptr(), pool.data_ptr(), self.plan.slot_to_route.data_ptr(),
-            self.plan.num_blocks.data_ptr(), self.max_blocks, self.top_k, token_rows.shape[1],
-            self.stream), "fused dispatch")
+            token_rows.data_ptr(), pool.data_ptr(), self.plan.route_to_slot.data_ptr(),
+            self.plan.slot_to_route.data_ptr(), self.plan.num_blocks.data_ptr(), self.num_tokens,
+            self.max_blocks, self.top_k, token_rows.shape[1], self.stream), "fused dispatch")
         return pool
 
     def scatter_combine(self, gemm, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,

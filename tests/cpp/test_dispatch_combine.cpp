@@ -92,7 +92,8 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   auto* d_num_blocks = to_device(std::vector<int32_t>{num_blocks});
   auto* d_weights = to_device(p.weights);
   auto* d_pool = to_device(std::vector<uint16_t>(capacity * hidden, kPoison));
-  ASSERT_EQ(megamoe_dispatch_bf16(d_x, d_pool, d_slot_to_route, d_num_blocks, max_blocks, p.top_k, hidden, nullptr),
+  ASSERT_EQ(megamoe_dispatch_bf16(d_x, d_pool, d_route_to_slot, d_slot_to_route, d_num_blocks, p.tokens,
+                                  max_blocks, p.top_k, hidden, nullptr),
             MEGAMOE_OK) << megamoe_last_error();
   const auto pool = to_host(d_pool, capacity * hidden);
   for (int64_t row = 0; row < capacity; ++row) {
@@ -140,8 +141,8 @@ INSTANTIATE_TEST_SUITE_P(HiddenSizes, DispatchCombineTest, ::testing::Values(256
 TEST(DispatchCombineValidation, RejectsBadArguments) {
   alignas(16) static uint16_t buf[64];
   int32_t ints[8] = {};
-  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, 1, 1, 4104, nullptr), "at most 4096");
-  expect_rejected(megamoe_dispatch_bf16(buf + 1, buf, ints, ints, 1, 1, 64, nullptr), "16-byte aligned");
+  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 4104, nullptr), "at most 4096");
+  expect_rejected(megamoe_dispatch_bf16(buf + 1, buf, ints, ints, ints, 1, 1, 1, 64, nullptr), "16-byte aligned");
   EXPECT_EQ(megamoe_combine_bf16(buf, nullptr, ints, buf, 4, 2, 64, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
   expect_rejected(megamoe_combine_bf16(buf, reinterpret_cast<float*>(ints), ints, buf, 4, 2, 60, nullptr),
                   "multiple of 8");

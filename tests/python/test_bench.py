@@ -67,3 +67,17 @@ def test_bench_records_out_of_memory_and_carries_on(tmp_path, monkeypatch):
     assert records["naive"]["skipped"].startswith("out of memory (CUDA out of memory.")
     assert records["naive"]["fwd_ms"] is None and records["naive"]["fwdbwd_ms"] is None
     assert records["grouped"]["skipped"] is None and records["grouped"]["fwdbwd_ms"] > 0
+
+
+def test_profile_charges_idle_time_to_the_kernels_around_it():
+    from types import SimpleNamespace
+
+    from megamoe.bench.profile import idle_gaps
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # b overlaps a and ends first: the gap after it starts where a ends, and is charged to a → c.
+    events = [kernel("a", 0, 10), kernel("b", 2, 5), kernel("c", 14, 20), kernel("a", 20, 30),
+              kernel("c", 36, 40)]
+    assert idle_gaps(events, iterations=2) == {("a", "c"): 5.0}

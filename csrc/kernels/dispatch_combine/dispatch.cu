@@ -1,7 +1,9 @@
-// Dispatch (one rank): copy each routed token row into its slot of the expert-major pool.
-// One warp per pool row; the row's 16-byte chunks are spread over the lanes, and each lane keeps
-// all its loads in flight before the first store. Padding rows of live blocks are zeroed so the
-// GEMMs never read stale data; rows past the live blocks are not touched.
+// Dispatch (one rank): copy each routed token row into its slots of the expert-major pool.
+// One warp per token: the row's 16-byte chunks are spread over the lanes and loaded once, then
+// stored to each of the token's K slots. Token-major order reads x once from DRAM; walking the pool
+// instead re-reads each row K times, far apart in time, and x rarely fits in L2 next to the
+// streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
+// rows past the live blocks are not touched.
 #include <algorithm>
 
 #include "common/status.h"
@@ -14,70 +16,111 @@ constexpr int kWarpsPerCta = 8;
 constexpr int kMaxVecsPerLane = 16;  // H up to 32 lanes * 16 * 8 = 4096 bf16 kept in registers
 
 template <int kVecsPerLane>
-__global__ void __launch_bounds__(kWarpsPerCta * 32)
-dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
-              const int32_t* __restrict__ slot_to_route, const int32_t* __restrict__ num_blocks,
-              int64_t max_rows, int32_t top_k, int32_t vecs_per_row) {
+__device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
+                                const int32_t* __restrict__ route_to_slot, int64_t num_tokens,
+                                int32_t top_k, int32_t vecs_per_row, int64_t warp, int64_t warps) {
   const int lane = threadIdx.x % 32;
-  const int64_t blocks_rows = int64_t(*num_blocks) * MEGAMOE_BLOCK_M;
-  const int64_t live_rows = blocks_rows < max_rows ? blocks_rows : max_rows;
-  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
-  for (int64_t row = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; row < live_rows;
-       row += warps) {
-    const int32_t route = slot_to_route[row];
+  for (int64_t t = warp; t < num_tokens; t += warps) {
     Bf16x8 v[kVecsPerLane];
 #pragma unroll
     for (int i = 0; i < kVecsPerLane; ++i) {
       const int c = i * 32 + lane;
-      v[i] = Bf16x8{};
-      if (route >= 0 && c < vecs_per_row) v[i] = x[int64_t(route / top_k) * vecs_per_row + c];
+      if (c < vecs_per_row) v[i] = x[t * vecs_per_row + c];
     }
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t slot = route_to_slot[t * top_k + k];
+      if (slot < 0) continue;  // masked or another rank's expert
 #pragma unroll
-    for (int i = 0; i < kVecsPerLane; ++i) {
-      const int c = i * 32 + lane;
-      if (c < vecs_per_row) pool[row * vecs_per_row + c] = v[i];
+      for (int i = 0; i < kVecsPerLane; ++i) {
+        const int c = i * 32 + lane;
+        if (c < vecs_per_row) pool[slot * vecs_per_row + c] = v[i];
+      }
+    }
+  }
+}
+
+// Padding rows, found 32 at a time: each lane looks at one row, the warp zeroes the padding ones.
+__device__ void zero_padding_rows(Bf16x8* __restrict__ pool, const int32_t* __restrict__ slot_to_route,
+                                  int64_t live_rows, int32_t vecs_per_row, int64_t warp, int64_t warps) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t base = warp * 32; base < live_rows; base += warps * 32) {
+    const int64_t row = base + lane;
+    unsigned padding = __ballot_sync(~0u, row < live_rows && slot_to_route[row] < 0);
+    while (padding) {
+      const int64_t pad_row = base + __ffs(padding) - 1;
+      padding &= padding - 1;
+      for (int c = lane; c < vecs_per_row; c += 32) pool[pad_row * vecs_per_row + c] = Bf16x8{};
     }
   }
 }
 
 template <int kVecsPerLane>
-void launch(const void* x, void* pool, const int32_t* slot_to_route, const int32_t* num_blocks,
-            int64_t max_rows, int32_t top_k, int32_t hidden, int grid, cudaStream_t stream) {
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
+              const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
+              const int32_t* __restrict__ num_blocks, int64_t num_tokens, int64_t max_rows, int32_t top_k,
+              int32_t vecs_per_row) {
+  const int64_t warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, num_tokens, top_k, vecs_per_row, warp, warps);
+  const int64_t blocks_rows = int64_t(*num_blocks) * MEGAMOE_BLOCK_M;
+  zero_padding_rows(pool, slot_to_route, blocks_rows < max_rows ? blocks_rows : max_rows, vecs_per_row,
+                    warp, warps);
+}
+
+struct DispatchArgs {
+  const Bf16x8* x;
+  Bf16x8* pool;
+  const int32_t *route_to_slot, *slot_to_route, *num_blocks;
+  int64_t num_tokens, max_rows;
+  int32_t top_k, vecs_per_row;
+};
+
+template <int kVecsPerLane>
+void launch(const DispatchArgs& a, int grid, cudaStream_t stream) {
   dispatch_rows<kVecsPerLane><<<grid, kWarpsPerCta * 32, 0, stream>>>(
-      static_cast<const Bf16x8*>(x), static_cast<Bf16x8*>(pool), slot_to_route, num_blocks,
-      max_rows, top_k, hidden / kBf16PerVec);
+      a.x, a.pool, a.route_to_slot, a.slot_to_route, a.num_blocks, a.num_tokens, a.max_rows, a.top_k,
+      a.vecs_per_row);
 }
 
 }  // namespace
 }  // namespace megamoe
 
-extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* slot_to_route,
-                                     const int32_t* num_blocks, int64_t max_blocks, int32_t top_k,
-                                     int32_t hidden, void* stream_handle) {
+extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* route_to_slot,
+                                     const int32_t* slot_to_route, const int32_t* num_blocks,
+                                     int64_t num_tokens, int64_t max_blocks, int32_t top_k, int32_t hidden,
+                                     void* stream_handle) {
   using namespace megamoe;
-  if (!x || !pool || !slot_to_route || !num_blocks) return invalid_argument("dispatch: null pointer");
-  if (top_k < 1 || max_blocks < 0) return invalid_argument("dispatch: top_k must be >= 1, max_blocks >= 0");
+  if (num_tokens < 0 || top_k < 1 || max_blocks < 0) {
+    return invalid_argument("dispatch: need num_tokens >= 0, top_k >= 1, max_blocks >= 0");
+  }
   if (hidden <= 0 || hidden % kBf16PerVec || hidden > 32 * kMaxVecsPerLane * kBf16PerVec) {
     return invalid_argument("dispatch: hidden size " + std::to_string(hidden) +
                             " must be a positive multiple of 8 and at most 4096");
   }
+  const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
+  if (max_rows == 0) return MEGAMOE_OK;
+  if (!x || !pool || !route_to_slot || !slot_to_route || !num_blocks) {
+    return invalid_argument("dispatch: null pointer");
+  }
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(pool)) % 16) {
     return invalid_argument("dispatch: x and pool must be 16-byte aligned");
   }
-  const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
-  if (max_rows == 0) return MEGAMOE_OK;
   int device = 0, sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (max_rows + kWarpsPerCta - 1) / kWarpsPerCta));
+  const int64_t warps_wanted = std::max(num_tokens, (max_rows + 31) / 32);
+  const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (warps_wanted + kWarpsPerCta - 1) / kWarpsPerCta));
+  const DispatchArgs args{static_cast<const Bf16x8*>(x), static_cast<Bf16x8*>(pool), route_to_slot,
+                          slot_to_route, num_blocks, num_tokens, max_rows, top_k, hidden / kBf16PerVec};
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  const int vecs_per_lane = (hidden / kBf16PerVec + 31) / 32;
+  const int vecs_per_lane = (args.vecs_per_row + 31) / 32;
   if (vecs_per_lane <= 4) {
-    launch<4>(x, pool, slot_to_route, num_blocks, max_rows, top_k, hidden, grid, stream);
+    launch<4>(args, grid, stream);
   } else if (vecs_per_lane <= 8) {
-    launch<8>(x, pool, slot_to_route, num_blocks, max_rows, top_k, hidden, grid, stream);
+    launch<8>(args, grid, stream);
   } else {
-    launch<kMaxVecsPerLane>(x, pool, slot_to_route, num_blocks, max_rows, top_k, hidden, grid, stream);
+    launch<kMaxVecsPerLane>(args, grid, stream);
   }
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;

@@ -3,7 +3,8 @@
     python -m megamoe.bench.profile [--preset ...] [--tokens N] [--backend ...] [--mode fwd|fwdbwd]
 
 Prints each kernel's time per iteration (summed over its launches) and its share of the GPU time,
-and writes profile_<preset>_<backend>_<mode>.json. Use it to find the gap between the layer time and the
+then the idle stretches of the GPU between kernels, by the pair of kernels around them, and writes
+profile_<preset>_<backend>_<mode>.json. Use it to find the gap between the layer time and the
 GEMMs' roofline; the timings of record come from `python -m megamoe.bench`.
 """
 
@@ -25,20 +26,46 @@ from .record import MODES
 from .report import git_commit
 
 NAME_WIDTH = 90
+GAPS_SHOWN = 12
 
 
-def kernel_times(fn, iterations: int) -> dict[str, tuple[float, int]]:
-    """{kernel name: (µs per iteration, launches per iteration)}."""
+def gpu_events(fn, iterations: int) -> list:
+    """The GPU activities of `iterations` back-to-back calls of fn, in start order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iterations):
             fn()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def kernel_times(events: list, iterations: int) -> dict[str, tuple[float, int]]:
+    """{kernel name: (µs per iteration, launches per iteration)}."""
     total_us, launches = defaultdict(float), defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total_us[event.name] += event.device_time
-            launches[event.name] += 1
+    for event in events:
+        total_us[event.name] += event.device_time
+        launches[event.name] += 1
     return {name: (us / iterations, launches[name] // iterations) for name, us in total_us.items()}
+
+
+def idle_gaps(events: list, iterations: int) -> dict[tuple[str, str], float]:
+    """{(kernel before, kernel after): GPU idle µs per iteration between them}. A gap is time with no
+    kernel running, so it is launch latency or the host falling behind, not overlap."""
+    gaps, busy_until, previous = defaultdict(float), None, None
+    for event in events:
+        if busy_until is not None and event.time_range.start > busy_until:
+            gaps[(previous, event.name)] += (event.time_range.start - busy_until) / iterations
+        if busy_until is None or event.time_range.end >= busy_until:
+            busy_until, previous = event.time_range.end, event.name
+    return dict(gaps)
+
+
+def short_name(kernel: str) -> str:
+    """`void ns::kernel<Args...>(params)` → `kernel<Args...>`, our and torch's namespaces dropped."""
+    name = kernel.removeprefix("void ").replace("(anonymous namespace)::", "")
+    for namespace in ("megamoe::grouped_gemm::", "megamoe::routing::", "megamoe::", "at::native::"):
+        name = name.replace(namespace, "")
+    return name if name.startswith("Memset") else name.split("(")[0]
 
 
 def main(argv=None) -> int:
@@ -65,7 +92,9 @@ def main(argv=None) -> int:
 
     for _ in range(3):  # warm up: compilation, autotuning, allocator
         iteration()
-    times = kernel_times(iteration, args.iterations)
+    events = gpu_events(iteration, args.iterations)
+    times = kernel_times(events, args.iterations)
+    gaps = sorted(idle_gaps(events, args.iterations).items(), key=lambda item: -item[1])
     total = sum(us for us, _ in times.values())
     rows = sorted(times.items(), key=lambda item: -item[1][0])
     print(f"{args.preset} T={args.tokens} {args.backend} {args.precision} {args.mode}: "
@@ -73,11 +102,17 @@ def main(argv=None) -> int:
     print(f"{'kernel':{NAME_WIDTH}} {'launches':>8} {'µs':>9} {'share':>6}")
     for name, (us, count) in rows:
         print(f"{name[:NAME_WIDTH]:{NAME_WIDTH}} {count:8d} {us:9.1f} {us / total:6.1%}")
+    idle = sum(us for _, us in gaps)
+    print(f"GPU idle between kernels: {idle:.1f} µs per iteration; the largest gaps:")
+    for (before, after), us in gaps[:GAPS_SHOWN]:
+        print(f"{us:9.1f} µs  {short_name(before)[:60]} → {short_name(after)[:60]}")
     result = {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
               "preset": args.preset, "tokens": args.tokens, "backend": args.backend,
               "precision": args.precision, "mode": args.mode, "kernel_ms_per_iteration": total / 1e3,
               "command": "python -m megamoe.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv),
-              "kernels": [{"name": name, "launches": count, "us": us} for name, (us, count) in rows]}
+              "kernels": [{"name": name, "launches": count, "us": us} for name, (us, count) in rows],
+              "idle_us_per_iteration": idle,
+              "idle_gaps": [{"before": before, "after": after, "us": us} for (before, after), us in gaps]}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile_{args.preset}_{args.backend}_{args.mode}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
