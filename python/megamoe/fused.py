@@ -1,6 +1,7 @@
 """backend="fused": the Hopper kernels of the core behind one torch.library op.
 
-Forward: routing plan → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
+Forward: routing plan (ids out of range are counted on the GPU and raise once the launches are
+queued, see _IdRangeCheck) → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
@@ -19,6 +20,7 @@ import torch
 from . import _native
 from .gemm import grouped_gemm
 from .routing import build_routing, pool_capacity
+from .validation import id_range_message
 
 # Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
 SIZE_MULTIPLE = 128
@@ -46,12 +48,33 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+class _IdRangeCheck:
+    """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
+    so no kernel reads out of bounds. The count comes to the host right behind the routing, and the
+    forward checks it once all its kernels are queued: the host waits for this layer's routing, not
+    for the whole queue ahead of it as a check before the launches would, and the caller gets the
+    exception instead of an output."""
+
+    def __init__(self, plan, num_experts: int):
+        self.num_experts = num_experts
+        self.count = plan.num_invalid.to("cpu", non_blocking=True)
+        self.routed = torch.cuda.Event()
+        self.routed.record(torch.cuda.current_stream(plan.num_invalid.device))
+
+    def raise_if_any(self) -> None:
+        self.routed.synchronize()
+        if int(self.count):
+            raise ValueError(id_range_message(self.num_experts, f"{int(self.count)} ids outside it"))
+
+
 class _Pool:
     """The routing plan and the expert-major pool of x: what forward and backward both start from."""
 
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None):
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None,
+                 check_ids: bool = False):
         self.num_tokens, self.top_k = topk_ids.shape
         self.plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
+        self.id_range = _IdRangeCheck(self.plan, num_local) if check_ids else None
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
         self.stream = _stream(x)
@@ -94,7 +117,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         return torch.empty_like(x), x_pool, z
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
-    pool = _Pool(x, topk_ids, num_local)
+    pool = _Pool(x, topk_ids, num_local, check_ids=True)
     h = x.new_empty(pool.rows, two_i // 2)
     if keep:
         x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
@@ -104,6 +127,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         num_local, pool.stream), "fused GEMM1")
     del pool.x
     y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
+    pool.id_range.raise_if_any()
     return y, x_pool, z
 
 

@@ -101,3 +101,18 @@ def test_fused_rejects_unsupported_sizes():
         megamoe.fused_moe(*megamoe.make_inputs(shape, 16, device="cuda"))
     with pytest.raises(TypeError, match="computes in bfloat16"):
         megamoe.fused_moe(*megamoe.make_inputs(SHAPE, 16, device="cuda", dtype=torch.float16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("bad_id", [-2, 4])
+def test_fused_raises_for_ids_out_of_range_counted_on_the_gpu(bad_id, compiled):
+    shape = MoEShape(hidden_size=128, intermediate_size=128, num_experts=4, top_k=2)
+    inputs = list(megamoe.make_inputs(shape, 16, device="cuda"))
+    good_ids = inputs[IDS].clone()
+    inputs[IDS][3, 1] = bad_id
+    fn = torch.compile(megamoe.fused_moe, fullgraph=True) if compiled else megamoe.fused_moe
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[-1, 4\) \(-1 = masked route\), got 1 ids outside"):
+        fn(*inputs)
+    inputs[IDS] = good_ids  # nothing sticks: the next call with good ids runs
+    torch.testing.assert_close(fn(*inputs), megamoe.moe(*inputs, backend="grouped"), rtol=2e-2, atol=2e-2)
