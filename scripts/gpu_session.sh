@@ -19,7 +19,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-run_python() {  # the package from this tree, the library from the build
+build() {  # what tests/run.sh builds, for the stages that skip `tests` on a fresh machine
+  cmake -S . -B "$MEGAMOE_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    cmake --build "$MEGAMOE_BUILD_DIR" -j "$(nproc)" 2>&1 | grep -E "error|warning: .*spill" || true
+}
+run_python() {  # the package from this tree, the library from the build (built first if missing)
+  [[ -f "$MEGAMOE_BUILD_DIR/libmegamoe.so" ]] || build
   MEGAMOE_LIBRARY="$MEGAMOE_BUILD_DIR/libmegamoe.so" PYTHONPATH="$PWD/python:${PYTHONPATH:-}" python3 "$@"
 }
 
