@@ -19,6 +19,9 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if recompute and backend != "fused":
+        raise ValueError(f"recompute=True is the fused backend's own recomputation; backend={backend!r} keeps "
+                         "what autograd saves (wrap it in torch.utils.checkpoint instead)")
     check_precision(precision, x.device if hasattr(x, "device") else None)
     # The fused op checks the ids' range on the GPU (fused.py), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,

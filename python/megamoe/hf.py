@@ -55,19 +55,25 @@ def _check_layout(name: str, experts: nn.Module) -> None:
             raise ValueError(f"{name}.{weight}: expected shape {shape} (E, ...), got {got}")
 
 
-def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "bf16") -> nn.Module:
+def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "bf16",
+                   recompute: bool = False) -> nn.Module:
     """Makes transformers' Qwen3-MoE `model` run its experts through `megamoe.moe(backend, precision)`.
+
+    recompute (fused only): the experts keep only their inputs for the backward (activation
+    checkpointing of the experts by the fused op itself, see `megamoe.moe`).
 
     The experts' own `gate_up_proj` / `down_proj` are used in place (no copies); the model keeps
     computing its router logits and aux loss itself. Patching again switches the backend. Returns model.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if recompute and backend != "fused":
+        raise ValueError(f"recompute=True needs backend='fused', got {backend!r}")
     experts = qwen3_moe_experts(model)
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")
     check_precision(precision, experts[0].gate_up_proj.device)
-    implementation = _register(backend, precision)
+    implementation = _register(backend, precision, recompute)
     model.set_experts_implementation(implementation)
     unpatched = [e for e in experts if e.config._experts_implementation != implementation]
     if unpatched:  # e.g. an experts module whose config is not the model's
@@ -76,13 +82,13 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     return model
 
 
-def _register(backend: str, precision: str) -> str:
+def _register(backend: str, precision: str, recompute: bool) -> str:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
         return moe(hidden_states.contiguous(), top_k_index, top_k_weights, experts.gate_up_proj,
-                   experts.down_proj, backend=backend, precision=precision)
+                   experts.down_proj, backend=backend, precision=precision, recompute=recompute)
 
-    implementation = f"megamoe_{backend}_{precision}"
+    implementation = f"megamoe_{backend}_{precision}" + ("_recompute" if recompute else "")
     ALL_EXPERTS_FUNCTIONS.register(implementation, experts_forward)
     return implementation

@@ -21,16 +21,23 @@ class MoELayer(nn.Module):
 
     With a process group of W ranks, w13/w2 hold this rank's E/W experts (DESIGN.md §2); the router
     still scores all E experts.
+
+    recompute (fused only): the experts keep only their inputs for the backward and recompute the
+    rest there (`megamoe.moe(..., recompute=True)`): activation checkpointing of the experts, cheaper
+    than wrapping them in torch.utils.checkpoint.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
-                 *, use_expert_bias: bool = False, initializer_range: float = 0.02, device=None, dtype=None):
+                 *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
+                 device=None, dtype=None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if recompute and backend != "fused":
+            raise ValueError(f"recompute=True needs backend='fused', got {backend!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
         _, world = group_rank_and_size(group)
@@ -38,6 +45,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"num_experts = {num_experts} must be divisible by the group size {world}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.norm_topk_prob, self.backend, self.precision, self.group = norm_topk_prob, backend, precision, group
+        self.recompute = recompute
         self.initializer_range = initializer_range
         factory = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
@@ -70,7 +78,7 @@ class MoELayer(nn.Module):
                 ids = routing.topk_ids.flatten()
                 self.expert_load.zero_().index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         y = moe(x.contiguous(), routing.topk_ids, routing.topk_weights, self.w13, self.w2,
-                backend=self.backend, precision=self.precision, group=self.group)
+                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute)
         return y.view(hidden_states.shape), routing.router_logits
 
     @torch.no_grad()
@@ -88,5 +96,5 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, moe_intermediate_size={self.w2.shape[-1]}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
-                f"backend={self.backend!r}, precision={self.precision!r}, "
+                f"backend={self.backend!r}, precision={self.precision!r}, recompute={self.recompute}, "
                 f"expert_bias={self.expert_bias is not None}")

@@ -63,7 +63,18 @@ def test_patch_runs_the_megamoe_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    assert calls == [{"backend": "naive", "precision": "bf16"}] * 2  # one per MoE layer
+    assert calls == [{"backend": "naive", "precision": "bf16", "recompute": False}] * 2  # one per MoE layer
+
+
+def test_patch_with_recompute_asks_the_fused_op_for_it(monkeypatch):
+    model = megamoe.patch_hf_model(tiny_model(), backend="fused", recompute=True)
+    assert model.config._experts_implementation == "megamoe_fused_bf16_recompute"
+    calls = []
+    monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
+    model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True}] * 2
+    with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
+        megamoe.patch_hf_model(model, backend="grouped", recompute=True)
 
 
 def test_patch_can_switch_backend():

@@ -114,3 +114,15 @@ def test_layer_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="use_expert_bias"):
         make_layer("naive").update_expert_bias()
 
+
+
+def test_layer_recompute_reaches_the_fused_op(monkeypatch):
+    layer = megamoe.MoELayer(64, 32, 4, 2, backend="fused", recompute=True)
+    calls = []
+    monkeypatch.setattr(megamoe.layer, "moe", lambda x, *args, **kwargs: calls.append(kwargs) or x * 0)
+    layer(torch.randn(8, 64))
+    assert calls[0]["recompute"] is True and "recompute=True" in repr(layer)
+    with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
+        megamoe.MoELayer(64, 32, 4, 2, backend="grouped", recompute=True)
+    with pytest.raises(ValueError, match="fused backend's own recomputation"):
+        megamoe.moe(*megamoe.make_inputs(megamoe.shapes.MoEShape(64, 32, 4, 2), 8), backend="grouped", recompute=True)

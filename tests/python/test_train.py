@@ -85,6 +85,22 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, mode):
     assert losses[mode] == pytest.approx(losses["none"], rel=1e-5)
 
 
+def test_moe_checkpointing_of_fused_experts_is_their_own_recompute(tmp_path):
+    import torch
+
+    from megamoe.hf import qwen3_moe_experts
+    from megamoe.train.trainer import build_model
+
+    config = tiny(tmp_path, "moe.backend=fused", "train.activation_checkpointing=moe")
+    model = build_model(config, torch.device("cpu"))
+    assert model.config._experts_implementation == "megamoe_fused_bf16_recompute"
+    assert all("forward" not in vars(experts) for experts in qwen3_moe_experts(model))  # no checkpoint wrapper
+    grouped = build_model(tiny(tmp_path, "moe.backend=grouped", "train.activation_checkpointing=moe"),
+                          torch.device("cpu"))
+    assert grouped.config._experts_implementation == "megamoe_grouped_bf16"
+    assert all("forward" in vars(experts) for experts in qwen3_moe_experts(grouped))
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.learning_rate=0.1", r"unknown key\(s\) \[train\]\.learning_rate"),
     ("optimizer.lr=0.1", r"unknown section\(s\) \[optimizer\]"),

@@ -54,10 +54,14 @@ def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     # Built in bf16 rather than cast afterwards: a cast would also round the fp32 RoPE frequencies.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision)
-    if config.train.activation_checkpointing == "full":
+    checkpointing = config.train.activation_checkpointing
+    # The fused experts checkpoint themselves: they keep their inputs and recompute only the gather and
+    # GEMM1 in the backward, where torch.utils.checkpoint would rerun their whole forward.
+    fused_recompute = checkpointing == "moe" and config.moe.backend == "fused"
+    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=fused_recompute)
+    if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif config.train.activation_checkpointing == "moe":
+    elif checkpointing == "moe" and not fused_recompute:
         recompute_experts(model)
     return model.train()
 
