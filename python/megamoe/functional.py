@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .backends import grouped_moe, naive_moe
 from .fused import check_fused_support, fused_moe_autograd
-from .validation import BACKENDS, check_moe_inputs, check_precision
+from .validation import BACKENDS, check_moe_inputs, check_precision, check_recompute
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
@@ -19,9 +19,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if recompute and backend != "fused":
-        raise ValueError(f"recompute=True is the fused backend's own recomputation; backend={backend!r} keeps "
-                         "what autograd saves (wrap it in torch.utils.checkpoint instead)")
+    check_recompute(backend, recompute)
     check_precision(precision, x.device if hasattr(x, "device") else None)
     # The fused op checks the ids' range on the GPU (fused.py), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from .functional import moe
-from .validation import BACKENDS, check_precision
+from .validation import BACKENDS, check_precision, check_recompute
 
 # The layout megamoe.moe takes (DESIGN.md §1), as flags of transformers' `use_experts_implementation`:
 # w13 = gate_up_proj [E, 2I, H] with gate rows then up rows, w2 = down_proj [E, H, I], no biases.
@@ -67,8 +67,7 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if recompute and backend != "fused":
-        raise ValueError(f"recompute=True needs backend='fused', got {backend!r}")
+    check_recompute(backend, recompute)
     experts = qwen3_moe_experts(model)
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")

@@ -7,7 +7,7 @@ from torch import nn
 
 from .functional import moe
 from .router import route
-from .validation import BACKENDS, PRECISIONS, group_rank_and_size
+from .validation import BACKENDS, PRECISIONS, check_recompute, group_rank_and_size
 
 
 class MoELayer(nn.Module):
@@ -36,8 +36,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if recompute and backend != "fused":
-            raise ValueError(f"recompute=True needs backend='fused', got {backend!r}")
+        check_recompute(backend, recompute)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
         _, world = group_rank_and_size(group)

@@ -43,6 +43,13 @@ def id_range_message(num_experts: int, got: str) -> str:
     return f"topk_ids must lie in [-1, {num_experts}) (-1 = masked route), got {got}"
 
 
+def check_recompute(backend: str, recompute: bool) -> None:
+    """recompute is the fused op's own activation checkpointing; the baselines have none."""
+    _require(not recompute or backend == "fused",
+             f"recompute=True needs backend='fused' (the fused backend's own recomputation), got "
+             f"backend={backend!r}, which keeps what autograd saves: wrap it in torch.utils.checkpoint instead")
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "mxfp8":
