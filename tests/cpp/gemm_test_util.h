@@ -380,4 +380,58 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
   }
 };
 
+// The two scatter entry points (h · w2 and dz · w13) share their argument checks; each names its own
+// operands in the messages, and the 32-bit row-range check covers the dimension its B is laid out by.
+// Validation happens before any CUDA call, so this runs without a GPU; the pointers are never read.
+using ScatterEntry = decltype(&megamoe_grouped_gemm_scatter_bf16);
+struct ScatterMessages {
+  const char* non_null;  // the "must be non-null" message of a, b, out_rows and slot_to_route
+  const char* aligned;   // the "must be 16-byte aligned" message
+  int32_t overflow_n, overflow_k;
+  const char* overflow;  // the message for 4096 experts of overflow_n x overflow_k
+};
+
+inline void expect_scatter_rejections(ScatterEntry entry, const ScatterMessages& m) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  void* misaligned = buf + 8;
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  struct Bad {
+    const void* a;
+    const void* b;
+    void* out;
+    const int32_t* slot_to_route;
+    const int32_t* block_expert;
+    int64_t max_blocks;
+    int32_t n, k, experts;
+    int64_t out_rows;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {nullptr, p, p, ip, ip, 4, 256, 256, 2, 8, m.non_null},
+      {p, nullptr, p, ip, ip, 4, 256, 256, 2, 8, m.non_null},
+      {p, p, nullptr, ip, ip, 4, 256, 256, 2, 8, m.non_null},
+      {p, p, p, nullptr, ip, 4, 256, 256, 2, 8, m.non_null},
+      {p, p, p, ip, nullptr, 4, 256, 256, 2, 8, "block_expert and num_blocks must be non-null"},
+      {p, p, p, ip, ip, 4, 100, 256, 2, 8, "n must be a positive multiple of 128, got 100"},
+      {p, p, p, ip, ip, 4, 256, 64, 2, 8, "k must be a positive multiple of 128, got 64"},
+      {p, p, p, ip, ip, 4, 256, 256, 0, 8, "num_local_experts must be >= 1"},
+      {p, p, p, ip, ip, -2, 256, 256, 2, 8, "max_blocks must be >= 0"},
+      {p, p, p, ip, ip, 4, 256, 256, 2, -1, "num_out_rows must be >= 0"},
+      {p, misaligned, p, ip, ip, 4, 256, 256, 2, 8, m.aligned},
+      {p, p, misaligned, ip, ip, 4, 256, 256, 2, 8, m.aligned},
+      {p, p, p, ip, ip, int64_t(1) << 25, 256, 256, 2, 8, "exceeds the 32-bit row range"},
+      {p, p, p, ip, ip, 4, m.overflow_n, m.overflow_k, 4096, 8, m.overflow},
+  };
+  for (const auto& x : bad) {
+    expect_rejected(entry(x.a, x.b, x.out, x.slot_to_route, x.block_expert, ip, x.max_blocks, x.n, x.k, x.experts,
+                          x.out_rows, nullptr),
+                    x.message);
+  }
+  EXPECT_EQ(entry(p, p, p, ip, ip, ip, 0, 256, 256, 2, 8, nullptr), MEGAMOE_OK)
+      << "an empty pool is a no-op: " << megamoe_last_error();
+  EXPECT_EQ(entry(p, p, p, ip, ip, ip, 4, 256, 256, 2, 0, nullptr), MEGAMOE_OK)
+      << "no output rows is a no-op: " << megamoe_last_error();
+}
+
 }  // namespace megamoe_test

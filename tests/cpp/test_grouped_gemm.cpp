@@ -353,44 +353,10 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
 }
 
 TEST(GroupedGemmScatterValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* h;
-    const void* w;
-    void* out;
-    const int32_t* slot_to_route;
-    const int32_t* block_expert;
-    int64_t max_blocks;
-    int32_t n, k, experts;
-    int64_t out_rows;
-    const char* message;
-  };
-  const Bad bad[] = {
-      {nullptr, p, p, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
-      {p, nullptr, p, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
-      {p, p, nullptr, ip, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
-      {p, p, p, nullptr, ip, 4, 256, 256, 2, 8, "h, w2, out_rows and slot_to_route must be non-null"},
-      {p, p, p, ip, nullptr, 4, 256, 256, 2, 8, "block_expert and num_blocks must be non-null"},
-      {p, p, p, ip, ip, 4, 100, 256, 2, 8, "n must be a positive multiple of 128, got 100"},
-      {p, p, p, ip, ip, 4, 256, 64, 2, 8, "k must be a positive multiple of 128, got 64"},
-      {p, p, p, ip, ip, 4, 256, 256, 0, 8, "num_local_experts must be >= 1"},
-      {p, p, p, ip, ip, -2, 256, 256, 2, 8, "max_blocks must be >= 0"},
-      {p, p, p, ip, ip, 4, 256, 256, 2, -1, "num_out_rows must be >= 0"},
-      {p, p, buf + 8, ip, ip, 4, 256, 256, 2, 8, "16-byte aligned"},
-      {p, p, p, ip, ip, int64_t(1) << 25, 256, 256, 2, 8, "exceeds the 32-bit row range"},
-      {p, p, p, ip, ip, 4, 1 << 20, 256, 4096, 8, "num_local_experts * n exceeds"},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_gemm_scatter_bf16(x.h, x.w, x.out, x.slot_to_route, x.block_expert, ip,
-                                                      x.max_blocks, x.n, x.k, x.experts, x.out_rows, nullptr),
-                    x.message);
-  }
-  EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(p, p, p, ip, ip, ip, 0, 256, 256, 2, 8, nullptr), MEGAMOE_OK)
-      << "an empty pool is a no-op: " << megamoe_last_error();
-  EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(p, p, p, ip, ip, ip, 4, 256, 256, 2, 0, nullptr), MEGAMOE_OK)
-      << "no output rows is a no-op: " << megamoe_last_error();
+  expect_scatter_rejections(megamoe_grouped_gemm_scatter_bf16,
+                            {"h, w2, out_rows and slot_to_route must be non-null",
+                             "h, w2 and out_rows must be 16-byte aligned", 1 << 20, 256,
+                             "num_local_experts * n exceeds"});
 }
 
 }  // namespace
