@@ -23,7 +23,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     check_precision(precision, x.device if hasattr(x, "device") else None)
     # The fused op checks the ids' range on the GPU (fused.py), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
-                               check_id_range=not (backend == "fused" and topk_ids.is_cuda))
+                               check_id_range=not (backend == "fused" and getattr(topk_ids, "is_cuda", False)))
     if precision != "bf16":
         raise NotImplementedError(
             f"precision={precision!r} is planned (block FP8 in the fused kernels); every backend "

@@ -26,6 +26,7 @@ BAD_INPUTS = {
     "x_rank": (replaced(X, lambda i: i[X][None]), ValueError, r"x must be \[T, H\]"),
     "x_dtype": (replaced(X, lambda i: i[X].to(torch.int32)), TypeError, "x must be a floating tensor"),
     "ids_rows": (replaced(IDS, lambda i: i[IDS][:-1]), ValueError, r"topk_ids must be \[T, K\] with T = 16"),
+    "ids_not_tensor": (replaced(IDS, lambda i: i[IDS].tolist()), TypeError, "topk_ids must be a torch.Tensor"),
     "ids_dtype": (replaced(IDS, lambda i: i[IDS].float()), TypeError, "topk_ids must be int32 or int64"),
     "ids_too_large": (replaced(IDS, lambda i: i[IDS].masked_fill(i[IDS] == i[IDS][0, 0], 4)), ValueError,
                       r"topk_ids must lie in \[-1, 4\)"),
