@@ -53,18 +53,25 @@ class _IdRangeCheck:
     so no kernel reads out of bounds. The count comes to the host right behind the routing, and the
     forward checks it once all its kernels are queued: the host waits for this layer's routing, not
     for the whole queue ahead of it as a check before the launches would, and the caller gets the
-    exception instead of an output."""
+    exception instead of an output. Not while a CUDA graph is being captured, where the host may not
+    wait: there bad ids only stay masked (routed nowhere), as they were before this check existed
+    whenever the host check was skipped (torch.compile)."""
 
     def __init__(self, plan, num_experts: int):
         self.num_experts = num_experts
-        self.count = plan.num_invalid.to("cpu", non_blocking=True)
-        self.routed = torch.cuda.Event()
-        self.routed.record(torch.cuda.current_stream(plan.num_invalid.device))
+        self.active = not torch.cuda.is_current_stream_capturing()
+        if self.active:
+            self.count = plan.num_invalid.to("cpu", non_blocking=True)
+            self.routed = torch.cuda.Event()
+            self.routed.record(torch.cuda.current_stream(plan.num_invalid.device))
 
     def raise_if_any(self) -> None:
+        if not self.active:
+            return
         self.routed.synchronize()
-        if int(self.count):
-            raise ValueError(id_range_message(self.num_experts, f"{int(self.count)} ids outside it"))
+        count = int(self.count)
+        if count:
+            raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
 
 
 class _Pool:

@@ -117,3 +117,18 @@ def test_fused_raises_for_ids_out_of_range_counted_on_the_gpu(bad_id, compiled):
         fn(*inputs)
     inputs[IDS] = good_ids  # nothing sticks: the next call with good ids runs
     torch.testing.assert_close(fn(*inputs), megamoe.moe(*inputs, backend="grouped"), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_forward_can_be_captured_in_a_cuda_graph():
+    """The device-side id check must not make the host wait inside a capture."""
+    shape = MoEShape(hidden_size=128, intermediate_size=128, num_experts=4, top_k=2)
+    inputs = megamoe.make_inputs(shape, 16, device="cuda")
+    with torch.no_grad():
+        eager = megamoe.fused_moe(*inputs)  # also the warm-up: one-time setup stays out of the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = megamoe.fused_moe(*inputs)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
