@@ -5,12 +5,12 @@ queued, see _IdRangeCheck) → dispatch into the expert-major pool → GEMM1 wit
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
-Backward (a second op): rebuild the plan, gather dy, take the pool of x and z = x·w13ᵀ (gate | up,
-pool order) as the forward kept them, or gather and recompute them (recompute=True: only the inputs
-are kept, at the price of a gather and a GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp
-partials in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows
-and combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics
-anywhere. The routing plan is deterministic, so the rebuilt pool order is the kept tensors' order.
+Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
+row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, pool order) as the forward kept
+them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
+price of a gather and a GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its
+epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and combined;
+dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from . import _native
 from .gemm import grouped_gemm
-from .routing import build_routing, pool_capacity
+from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import id_range_message
 
 # Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
@@ -78,23 +78,30 @@ class _Pool:
     """The routing plan and the expert-major pool of x: what forward and backward both start from."""
 
     def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None,
-                 check_ids: bool = False):
+                 plan_buffer: torch.Tensor | None = None, check_ids: bool = False):
+        """plan_buffer: the forward's plan (RoutingPlan.buffer), or None to build it."""
         self.num_tokens, self.top_k = topk_ids.shape
-        self.plan = build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
+        self.plan = (build_routing(topk_ids.to(torch.int32).contiguous(), num_local) if plan_buffer is None
+                     else RoutingPlan.from_buffer(plan_buffer, self.num_tokens, self.top_k, num_local))
         self.id_range = _IdRangeCheck(self.plan, num_local) if check_ids else None
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
         self.stream = _stream(x)
         self.x = self.gather(x) if x_pool is None else x_pool
 
-    def gather(self, token_rows: torch.Tensor) -> torch.Tensor:
-        """[rows, H]: each pool row holds its route's token row; padding rows are zero."""
+    def gather(self, token_rows: torch.Tensor, weights: torch.Tensor | None = None):
+        """[rows, H]: each pool row holds its route's token row; padding rows are zero. With weights
+        [T, K], also (pool, p [rows] fp32): each live row's route weight, 0 on padding rows."""
         pool = token_rows.new_empty(self.rows, token_rows.shape[1])
+        if weights is not None:
+            weights = weights.to(torch.float32).contiguous()
+            weights_pool = torch.empty(self.rows, dtype=torch.float32, device=pool.device)
         _native.check(_native.library().megamoe_dispatch_bf16(
             token_rows.data_ptr(), pool.data_ptr(), self.plan.route_to_slot.data_ptr(),
             self.plan.slot_to_route.data_ptr(), self.plan.num_blocks.data_ptr(), self.num_tokens,
-            self.max_blocks, self.top_k, token_rows.shape[1], self.stream), "fused dispatch")
-        return pool
+            self.max_blocks, self.top_k, token_rows.shape[1], None if weights is None else weights.data_ptr(),
+            None if weights is None else weights_pool.data_ptr(), self.stream), "fused dispatch")
+        return pool if weights is None else (pool, weights_pool)
 
     def scatter_combine(self, gemm, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
                         what: str) -> torch.Tensor:
@@ -115,19 +122,22 @@ class _Pool:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, keep: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x_pool, z): with keep, the pool of x [pool rows, H] and GEMM1's gate | up output z
-    [pool rows, 2I] for the backward; otherwise both empty."""
-    x_pool, z = x.new_empty(0), x.new_empty(0)
+                      w13: torch.Tensor, w2: torch.Tensor, keep: bool, keep_plan: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x_pool, z, plan): with keep, the pool of x [pool rows, H] and GEMM1's gate | up output z
+    [pool rows, 2I] for the backward; otherwise both empty. With keep_plan, the routing plan's
+    buffer (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
+    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, z
+        return torch.empty_like(x), x_pool, z, plan
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local, check_ids=True)
     h = x.new_empty(pool.rows, two_i // 2)
     if keep:
         x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
+    if keep_plan:
+        plan = pool.plan.buffer
     _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
         pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep else None,
         pool.plan.block_expert.data_ptr(), pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
@@ -135,26 +145,33 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     del pool.x
     y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
     pool.id_range.raise_if_any()
-    return y, x_pool, z
+    return y, x_pool, z, plan
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, keep):
-    if not keep or topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x.new_empty(0), x.new_empty(0)
-    rows = pool_capacity(topk_ids.numel(), w13.shape[0])
-    return torch.empty_like(x), x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
+def _(x, topk_ids, topk_weights, w13, w2, keep, keep_plan):
+    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
+    if topk_ids.shape[0] == 0:
+        return torch.empty_like(x), x_pool, z, plan
+    if keep:
+        rows = pool_capacity(topk_ids.numel(), w13.shape[0])
+        x_pool, z = x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
+    if keep_plan:
+        plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
+                                  dtype=torch.int32)
+    return torch.empty_like(x), x_pool, z, plan
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
-                       z: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
+                       z: torch.Tensor, plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool,
+                       need_dw2: bool,
                        main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    x_pool, z: what fused_moe_forward kept, or empty to gather and recompute them.
+    x_pool, z, plan: what fused_moe_forward kept, or empty to gather, recompute and rebuild them.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
@@ -165,13 +182,11 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     lib = _native.library()
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None)
+    pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None, plan if plan.numel() else None)
     plan, rows, stream = pool.plan, pool.rows, pool.stream
-    dy_pool = pool.gather(dy.contiguous())
+    dy_pool, p_pool = pool.gather(dy.contiguous(), topk_weights)
     if z.numel() == 0:
         z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
-    slot_route = plan.slot_to_route.long()
-    p_pool = torch.where(slot_route >= 0, topk_weights.flatten().float()[slot_route.clamp_min(0)], 0.0)
     dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
     dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=x.device)
     _native.check(lib.megamoe_grouped_gemm_swiglu_backward_bf16(
@@ -208,31 +223,31 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, need_dx, need_dweights, need_dw13, need_dw2,
+def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, need_dx, need_dweights, need_dw13, need_dw2,
       main_grad13, main_grad2):
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
                         main_grad2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, _ = inputs
-    _, x_pool, z = output
-    ctx.mark_non_differentiable(x_pool, z)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool and z
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z)
+    x, topk_ids, topk_weights, w13, w2, _, _ = inputs
+    _, x_pool, z, plan = output
+    ctx.mark_non_differentiable(x_pool, z, plan)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool, z and plan
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
 
 
-def _backward(ctx, dy, _dx_pool, _dz):
-    x, topk_ids, topk_weights, w13, w2, x_pool, z = ctx.saved_tensors
+def _backward(ctx, dy, _dx_pool, _dz, _dplan):
+    x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, *needs, *main_grads)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, *needs, *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None
+    return dx, None, dweights, dw13, dw2, None, None
 
 
 def main_grad_of(weight: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -257,8 +272,9 @@ fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool) -> torch.Tensor:
-    """y of the fused op; the pool of x and z are kept for the backward when one will run and
-    recompute is off."""
+    """y of the fused op; the routing plan is kept for the backward when one will run, and the pool
+    of x and z as well unless recompute is on."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute)[0]
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute,
+                             backward_will_run)[0]

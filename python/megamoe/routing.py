@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 
 import torch
 
@@ -23,6 +24,23 @@ class RoutingPlan:
     block_expert: torch.Tensor  # [max_blocks] int32, -1 past num_blocks
     num_blocks: torch.Tensor  # [1] int32
     num_invalid: torch.Tensor  # [1] int32: ids outside [-1, E), treated as masked
+    # Every field above is a view of this one int32 allocation: what the fused op keeps of the
+    # forward's plan for its backward.
+    buffer: torch.Tensor = dataclasses.field(repr=False, compare=False, default=None)
+
+    @classmethod
+    def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int) -> RoutingPlan:
+        """The plan whose fields `buffer` holds (as build_routing laid them out)."""
+        views, offset = {}, 0
+        for name, shape in _field_shapes(num_tokens, top_k, num_local_experts).items():
+            size = math.prod(shape)
+            views[name] = buffer[offset:offset + size].view(shape)
+            offset += size
+        return cls(**views, buffer=buffer)
+
+
+PLAN_FIELDS = ("expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
+               "num_invalid")
 
 
 def pool_capacity(num_routes, num_local_experts: int):
@@ -30,6 +48,18 @@ def pool_capacity(num_routes, num_local_experts: int):
     from symbolic shapes: the routes rounded up to blocks, plus a padding block per local expert."""
     block = _native.BLOCK_M
     return -(-num_routes // block) * block + num_local_experts * block
+
+
+def _field_shapes(num_tokens, top_k: int, num_local_experts: int) -> dict:
+    capacity = pool_capacity(num_tokens * top_k, num_local_experts)
+    return {"expert_counts": (num_local_experts,), "expert_offsets": (num_local_experts + 1,),
+            "route_to_slot": (num_tokens, top_k), "slot_to_route": (capacity,),
+            "block_expert": (capacity // _native.BLOCK_M,), "num_blocks": (1,), "num_invalid": (1,)}
+
+
+def plan_buffer_size(num_tokens, top_k: int, num_local_experts: int):
+    """int32 elements of RoutingPlan.buffer (symbolic shapes welcome: fake tensors size it)."""
+    return sum(math.prod(shape) for shape in _field_shapes(num_tokens, top_k, num_local_experts).values())
 
 
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
@@ -42,21 +72,12 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
     shape = _native.RoutingShape(topk_ids.shape[0], topk_ids.shape[1], num_experts, expert_begin,
                                  num_experts - expert_begin if num_local_experts is None
                                  else num_local_experts)
-    capacity = lib.megamoe_routing_capacity(ctypes.byref(shape))
-    max_blocks = lib.megamoe_routing_max_blocks(ctypes.byref(shape))
+    local = max(shape.num_local_experts, 0)  # the library rejects a bad shape below, with its message
     device = topk_ids.device
-    int32 = dict(dtype=torch.int32, device=device)
-    plan = RoutingPlan(
-        expert_counts=torch.empty(max(shape.num_local_experts, 0), **int32),
-        expert_offsets=torch.empty(max(shape.num_local_experts + 1, 0), **int32),
-        route_to_slot=torch.empty(topk_ids.shape, **int32),
-        slot_to_route=torch.empty(max(capacity, 0), **int32),
-        block_expert=torch.empty(max(max_blocks, 0), **int32),
-        num_blocks=torch.empty(1, **int32),
-        num_invalid=torch.empty(1, **int32),
-    )
-    pointers = _native.RoutingPlanPointers(
-        *(getattr(plan, f.name).data_ptr() for f in dataclasses.fields(plan)), None)
+    buffer = torch.empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], local), dtype=torch.int32,
+                         device=device)
+    plan = RoutingPlan.from_buffer(buffer, topk_ids.shape[0], topk_ids.shape[1], local)
+    pointers = _native.RoutingPlanPointers(*(getattr(plan, name).data_ptr() for name in PLAN_FIELDS), None)
     if device.type == "cuda":
         workspace = torch.empty(lib.megamoe_routing_workspace_bytes(ctypes.byref(shape)),
                                 dtype=torch.uint8, device=device)

@@ -92,12 +92,16 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   auto* d_num_blocks = to_device(std::vector<int32_t>{num_blocks});
   auto* d_weights = to_device(p.weights);
   auto* d_pool = to_device(std::vector<uint16_t>(capacity * hidden, kPoison));
+  auto* d_weights_pool = to_device(std::vector<float>(capacity, -7.f));
   ASSERT_EQ(megamoe_dispatch_bf16(d_x, d_pool, d_route_to_slot, d_slot_to_route, d_num_blocks, p.tokens,
-                                  max_blocks, p.top_k, hidden, nullptr),
+                                  max_blocks, p.top_k, hidden, d_weights, d_weights_pool, nullptr),
             MEGAMOE_OK) << megamoe_last_error();
   const auto pool = to_host(d_pool, capacity * hidden);
+  const auto weights_pool = to_host(d_weights_pool, capacity);
   for (int64_t row = 0; row < capacity; ++row) {
     const int32_t route = slot_to_route[row];
+    const float want_weight = row >= int64_t(num_blocks) * 128 ? -7.f : route < 0 ? 0.f : p.weights[route];
+    ASSERT_EQ(weights_pool[row], want_weight) << "row " << row;
     for (int c = 0; c < hidden; ++c) {
       const uint16_t want = row >= int64_t(num_blocks) * 128 ? kPoison
                             : route < 0                       ? uint16_t(0)
@@ -130,7 +134,7 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
     }
   }
   for (void* ptr : std::initializer_list<void*>{d_x, d_slot_to_route, d_route_to_slot, d_num_blocks, d_weights,
-                                                d_pool, d_routed, d_y}) {
+                                                d_pool, d_weights_pool, d_routed, d_y}) {
     cudaFree(ptr);
   }
 }
@@ -141,8 +145,13 @@ INSTANTIATE_TEST_SUITE_P(HiddenSizes, DispatchCombineTest, ::testing::Values(256
 TEST(DispatchCombineValidation, RejectsBadArguments) {
   alignas(16) static uint16_t buf[64];
   int32_t ints[8] = {};
-  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 4104, nullptr), "at most 4096");
-  expect_rejected(megamoe_dispatch_bf16(buf + 1, buf, ints, ints, ints, 1, 1, 1, 64, nullptr), "16-byte aligned");
+  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 4104, nullptr, nullptr, nullptr),
+                  "at most 4096");
+  expect_rejected(megamoe_dispatch_bf16(buf + 1, buf, ints, ints, ints, 1, 1, 1, 64, nullptr, nullptr, nullptr),
+                  "16-byte aligned");
+  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 64, reinterpret_cast<float*>(ints),
+                                        nullptr, nullptr),
+                  "go together");
   EXPECT_EQ(megamoe_combine_bf16(buf, nullptr, ints, buf, 4, 2, 64, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
   expect_rejected(megamoe_combine_bf16(buf, reinterpret_cast<float*>(ints), ints, buf, 4, 2, 60, nullptr),
                   "multiple of 8");

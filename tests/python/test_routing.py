@@ -66,3 +66,21 @@ def test_cuda_plan_equals_host_plan(routing, tokens):
     device = build_routing(ids.cuda(), 128)
     for field in host.__dataclass_fields__:
         assert torch.equal(getattr(device, field).cpu(), getattr(host, field)), field
+
+
+@pytest.mark.parametrize("tokens, top_k, num_local", [(0, 1, 1), (1, 8, 128), (333, 4, 6), (16384, 8, 128)])
+def test_plan_buffer_is_the_native_capacity_and_holds_every_field(tokens, top_k, num_local):
+    """build_routing sizes its one allocation with pool_capacity: it must agree with the library."""
+    import ctypes
+
+    from megamoe import _native
+    from megamoe.routing import PLAN_FIELDS, plan_buffer_size, pool_capacity
+
+    shape = _native.RoutingShape(tokens, top_k, num_local, 0, num_local)
+    assert pool_capacity(tokens * top_k, num_local) == _native.library().megamoe_routing_capacity(ctypes.byref(shape))
+    ids = torch.randint(0, num_local, (tokens, top_k), dtype=torch.int32)
+    plan = build_routing(ids, num_local)
+    assert plan.buffer.numel() == plan_buffer_size(tokens, top_k, num_local)
+    assert sum(getattr(plan, name).numel() for name in PLAN_FIELDS) == plan.buffer.numel()
+    again = type(plan).from_buffer(plan.buffer, tokens, top_k, num_local)
+    assert all(torch.equal(getattr(again, name), getattr(plan, name)) for name in PLAN_FIELDS)

@@ -61,13 +61,16 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_sh
 // Dispatch and combine on one rank (bf16 rows, hidden size a multiple of 8).
 // dispatch: pool[route_to_slot[t, k]] = x[t] for every route with a slot; the padding rows of the
 //           live blocks (r < 128 * *num_blocks, slot_to_route[r] < 0) are zeroed, rows past the
-//           live blocks are not touched. Walks tokens, so each row of x is read once.
+//           live blocks are not touched. Walks tokens, so each row of x is read once. weights
+//           [T, K] fp32 and weights_pool [pool rows] fp32: both null, or weights_pool[slot] =
+//           weights[t, k] the same way (0 on padding rows).
 // combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
 //           in ascending k, fp32, rounded once (deterministic).
 // ---------------------------------------------------------------------------------------------
 int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* route_to_slot,
                           const int32_t* slot_to_route, const int32_t* num_blocks, int64_t num_tokens,
-                          int64_t max_blocks, int32_t top_k, int32_t hidden, void* stream);
+                          int64_t max_blocks, int32_t top_k, int32_t hidden, const float* weights,
+                          float* weights_pool, void* stream);
 int megamoe_combine_bf16(const void* routed, const float* topk_weights, const int32_t* route_to_slot,
                          void* y, int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream);
 

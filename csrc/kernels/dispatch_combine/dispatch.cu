@@ -3,7 +3,8 @@
 // stored to each of the token's K slots. Token-major order reads x once from DRAM; walking the pool
 // instead re-reads each row K times, far apart in time, and x rarely fits in L2 next to the
 // streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
-// rows past the live blocks are not touched.
+// rows past the live blocks are not touched. With weights, each route's weight goes to its slot
+// of weights_pool the same way (0 on padding rows): the backward's per-row p.
 #include <algorithm>
 
 #include "common/status.h"
@@ -17,8 +18,9 @@ constexpr int kMaxVecsPerLane = 16;  // H up to 32 lanes * 16 * 8 = 4096 bf16 ke
 
 template <int kVecsPerLane>
 __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
-                                const int32_t* __restrict__ route_to_slot, int64_t num_tokens,
-                                int32_t top_k, int32_t vecs_per_row, int64_t warp, int64_t warps) {
+                                const int32_t* __restrict__ route_to_slot, const float* __restrict__ weights,
+                                float* __restrict__ weights_pool, int64_t num_tokens, int32_t top_k,
+                                int32_t vecs_per_row, int64_t warp, int64_t warps) {
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp; t < num_tokens; t += warps) {
     Bf16x8 v[kVecsPerLane];
@@ -30,6 +32,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
     for (int k = 0; k < top_k; ++k) {
       const int64_t slot = route_to_slot[t * top_k + k];
       if (slot < 0) continue;  // masked or another rank's expert
+      if (weights_pool != nullptr && lane == 0) weights_pool[slot] = weights[t * top_k + k];
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
         const int c = i * 32 + lane;
@@ -40,8 +43,9 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
 }
 
 // Padding rows, found 32 at a time: each lane looks at one row, the warp zeroes the padding ones.
-__device__ void zero_padding_rows(Bf16x8* __restrict__ pool, const int32_t* __restrict__ slot_to_route,
-                                  int64_t live_rows, int32_t vecs_per_row, int64_t warp, int64_t warps) {
+__device__ void zero_padding_rows(Bf16x8* __restrict__ pool, float* __restrict__ weights_pool,
+                                  const int32_t* __restrict__ slot_to_route, int64_t live_rows, int32_t vecs_per_row,
+                                  int64_t warp, int64_t warps) {
   const int lane = threadIdx.x % 32;
   for (int64_t base = warp * 32; base < live_rows; base += warps * 32) {
     const int64_t row = base + lane;
@@ -49,6 +53,7 @@ __device__ void zero_padding_rows(Bf16x8* __restrict__ pool, const int32_t* __re
     while (padding) {
       const int64_t pad_row = base + __ffs(padding) - 1;
       padding &= padding - 1;
+      if (weights_pool != nullptr && lane == 0) weights_pool[pad_row] = 0.f;
       for (int c = lane; c < vecs_per_row; c += 32) pool[pad_row * vecs_per_row + c] = Bf16x8{};
     }
   }
@@ -58,20 +63,24 @@ template <int kVecsPerLane>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
               const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
-              const int32_t* __restrict__ num_blocks, int64_t num_tokens, int64_t max_rows, int32_t top_k,
+              const int32_t* __restrict__ num_blocks, const float* __restrict__ weights,
+              float* __restrict__ weights_pool, int64_t num_tokens, int64_t max_rows, int32_t top_k,
               int32_t vecs_per_row) {
   const int64_t warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
-  copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, num_tokens, top_k, vecs_per_row, warp, warps);
+  copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, weights, weights_pool, num_tokens, top_k, vecs_per_row, warp,
+                                warps);
   const int64_t blocks_rows = int64_t(*num_blocks) * MEGAMOE_BLOCK_M;
-  zero_padding_rows(pool, slot_to_route, blocks_rows < max_rows ? blocks_rows : max_rows, vecs_per_row,
-                    warp, warps);
+  zero_padding_rows(pool, weights_pool, slot_to_route, blocks_rows < max_rows ? blocks_rows : max_rows,
+                    vecs_per_row, warp, warps);
 }
 
 struct DispatchArgs {
   const Bf16x8* x;
   Bf16x8* pool;
   const int32_t *route_to_slot, *slot_to_route, *num_blocks;
+  const float* weights;
+  float* weights_pool;
   int64_t num_tokens, max_rows;
   int32_t top_k, vecs_per_row;
 };
@@ -79,8 +88,8 @@ struct DispatchArgs {
 template <int kVecsPerLane>
 void launch(const DispatchArgs& a, int grid, cudaStream_t stream) {
   dispatch_rows<kVecsPerLane><<<grid, kWarpsPerCta * 32, 0, stream>>>(
-      a.x, a.pool, a.route_to_slot, a.slot_to_route, a.num_blocks, a.num_tokens, a.max_rows, a.top_k,
-      a.vecs_per_row);
+      a.x, a.pool, a.route_to_slot, a.slot_to_route, a.num_blocks, a.weights, a.weights_pool, a.num_tokens,
+      a.max_rows, a.top_k, a.vecs_per_row);
 }
 
 }  // namespace
@@ -89,7 +98,7 @@ void launch(const DispatchArgs& a, int grid, cudaStream_t stream) {
 extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* route_to_slot,
                                      const int32_t* slot_to_route, const int32_t* num_blocks,
                                      int64_t num_tokens, int64_t max_blocks, int32_t top_k, int32_t hidden,
-                                     void* stream_handle) {
+                                     const float* weights, float* weights_pool, void* stream_handle) {
   using namespace megamoe;
   if (num_tokens < 0 || top_k < 1 || max_blocks < 0) {
     return invalid_argument("dispatch: need num_tokens >= 0, top_k >= 1, max_blocks >= 0");
@@ -103,6 +112,9 @@ extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* r
   if (!x || !pool || !route_to_slot || !slot_to_route || !num_blocks) {
     return invalid_argument("dispatch: null pointer");
   }
+  if ((weights == nullptr) != (weights_pool == nullptr)) {
+    return invalid_argument("dispatch: weights and weights_pool go together (both null, or both set)");
+  }
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(pool)) % 16) {
     return invalid_argument("dispatch: x and pool must be 16-byte aligned");
   }
@@ -112,7 +124,8 @@ extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* r
   const int64_t warps_wanted = std::max(num_tokens, (max_rows + 31) / 32);
   const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (warps_wanted + kWarpsPerCta - 1) / kWarpsPerCta));
   const DispatchArgs args{static_cast<const Bf16x8*>(x), static_cast<Bf16x8*>(pool), route_to_slot,
-                          slot_to_route, num_blocks, num_tokens, max_rows, top_k, hidden / kBf16PerVec};
+                          slot_to_route, num_blocks, weights, weights_pool, num_tokens, max_rows, top_k,
+                          hidden / kBf16PerVec};
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int vecs_per_lane = (args.vecs_per_row + 31) / 32;
   if (vecs_per_lane <= 4) {
