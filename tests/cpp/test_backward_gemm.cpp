@@ -315,13 +315,20 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   const int m = c.n, n = c.k, experts = c.local_experts;
   const int64_t rows = d.max_blocks * MEGAMOE_BLOCK_M, live_rows = int64_t(p.num_blocks) * MEGAMOE_BLOCK_M;
   const int64_t out_count = int64_t(experts) * m * n;
-  // Real rows random, padding rows zero (as dispatch and the dh epilogue leave them), rows past the
-  // live blocks NaN: outside every expert's K range, never read.
+  // Real rows random; padding rows zero in the 64-row k-block of an expert's last real row (as
+  // dispatch and the dh epilogue leave them) and NaN past it, like the rows past the live blocks:
+  // outside every expert's K range, never read.
   std::mt19937 rng(c.seed * 7919u);
   std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<bool> in_k_range(live_rows, false);
+  for (int e = 0; e < experts; ++e) {
+    const int64_t end = p.offsets[e] + (int64_t(p.counts[e]) + 63) / 64 * 64;
+    for (int64_t r = p.offsets[e]; r < end; ++r) in_k_range[r] = true;
+  }
   auto make = [&](int cols) {
     std::vector<uint16_t> v(rows * cols, kNaNPoison);
     for (int64_t r = 0; r < live_rows; ++r) {
+      if (!in_k_range[r]) continue;
       for (int i = 0; i < cols; ++i) v[r * cols + i] = is_real_row(p, r) ? to_bf16(dist(rng)) : uint16_t(0);
     }
     return v;
@@ -329,10 +336,11 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   const std::vector<uint16_t> a = make(m), b = make(n);
   DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out16(out_count);
   DeviceBuffer<float> out32(out_count);
-  DeviceBuffer<int32_t> offsets(p.offsets.size());
+  DeviceBuffer<int32_t> offsets(p.offsets.size()), counts(p.counts.size());
   a_dev.upload(a);
   b_dev.upload(b);
   offsets.upload(p.offsets);
+  counts.upload(p.counts);
 
   // Host reference per expert over its real rows (fp32 dots, rows padded to a multiple of 8).
   const std::vector<float> af = to_float(a), bf = to_float(b);
@@ -384,8 +392,8 @@ TEST_P(WeightGradTest, MatchesHostReference) {
 
   // bf16 out.
   ASSERT_EQ(cudaMemset(out16.ptr, 0xFF, out16.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out16.ptr, offsets.ptr, d.max_blocks, experts, m, n,
-                                             0, 0, nullptr),
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out16.ptr, offsets.ptr, counts.ptr, d.max_blocks,
+                                             experts, m, n, 0, 0, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -397,8 +405,8 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   }
   // fp32 out, overwrite (out poisoned with NaN).
   ASSERT_EQ(cudaMemset(out32.ptr, 0xFF, out32.count * 4), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, d.max_blocks, experts, m, n,
-                                             1, 0, nullptr),
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
+                                             experts, m, n, 1, 0, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -408,16 +416,16 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   std::vector<float> base(out_count);
   for (auto& v : base) v = dist(rng);
   out32.upload(base);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, d.max_blocks, experts, m, n,
-                                             1, 1, nullptr),
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
+                                             experts, m, n, 1, 1, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> acc = out32.download();
   check(std::vector<double>(acc.begin(), acc.end()), base, "fp32 accumulate");
   // Deterministic: the same bits again.
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, d.max_blocks, experts, m, n,
-                                             1, 0, nullptr),
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
+                                             experts, m, n, 1, 0, nullptr),
             MEGAMOE_OK);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> again = out32.download();
@@ -433,10 +441,12 @@ TEST(WeightGrad, EmptyPoolWritesZeros) {
   const int experts = 3, m = 256, n = 128;
   DeviceBuffer<uint16_t> a(128 * m), b(128 * n);
   DeviceBuffer<float> out(int64_t(experts) * m * n);
-  DeviceBuffer<int32_t> offsets(experts + 1);
+  DeviceBuffer<int32_t> offsets(experts + 1), counts(experts);
   offsets.upload({0, 0, 0, 0});
+  counts.upload({0, 0, 0});
   ASSERT_EQ(cudaMemset(out.ptr, 0xFF, out.count * 4), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a.ptr, b.ptr, out.ptr, offsets.ptr, 0, experts, m, n, 1, 0, nullptr),
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a.ptr, b.ptr, out.ptr, offsets.ptr, counts.ptr, 0, experts, m, n, 1, 0,
+                                             nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -453,30 +463,32 @@ TEST(WeightGradValidation, RejectsBadArguments) {
     const void* b;
     void* out;
     const int32_t* offsets;
+    const int32_t* counts;
     int64_t max_blocks;
     int32_t experts, m, n, fp32, accumulate;
     const char* message;
   };
-  const char* null_msg = "a_pool, b_pool, out and expert_offsets must be non-null";
+  const char* null_msg = "a_pool, b_pool, out, expert_offsets and expert_counts must be non-null";
   const Bad bad[] = {
-      {nullptr, p, p, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, nullptr, p, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, nullptr, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, p, nullptr, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, p, ip, 4, 2, 0, 256, 1, 0, "m must be a positive multiple of 128, got 0"},
-      {p, p, p, ip, 4, 2, 256, 192, 1, 0, "n must be a positive multiple of 128, got 192"},
-      {p, p, p, ip, 4, 0, 256, 256, 1, 0, "num_local_experts must be >= 1"},
-      {p, p, p, ip, -1, 2, 256, 256, 1, 0, "max_blocks must be >= 0"},
-      {p, p, p, ip, int64_t(1) << 25, 2, 256, 256, 1, 0, "exceeds the 32-bit row range"},
-      {p, p, p, ip, 4, 4096, 1 << 20, 256, 1, 0, "num_local_experts * m exceeds"},
-      {p, p, p, ip, 4, 2, 256, 256, 2, 0, "out_fp32 must be 0 or 1"},
-      {p, p, p, ip, 4, 2, 256, 256, 1, 3, "accumulate must be 0 or 1"},
-      {p, p, p, ip, 4, 2, 256, 256, 0, 1, "accumulate = 1 needs out_fp32 = 1"},
-      {buf + 2, p, p, ip, 4, 2, 256, 256, 1, 0, "a_pool, b_pool and out must be 16-byte aligned"},
+      {nullptr, p, p, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, nullptr, p, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, nullptr, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, p, nullptr, ip, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, p, ip, nullptr, 4, 2, 256, 256, 1, 0, null_msg},
+      {p, p, p, ip, ip, 4, 2, 0, 256, 1, 0, "m must be a positive multiple of 128, got 0"},
+      {p, p, p, ip, ip, 4, 2, 256, 192, 1, 0, "n must be a positive multiple of 128, got 192"},
+      {p, p, p, ip, ip, 4, 0, 256, 256, 1, 0, "num_local_experts must be >= 1"},
+      {p, p, p, ip, ip, -1, 2, 256, 256, 1, 0, "max_blocks must be >= 0"},
+      {p, p, p, ip, ip, int64_t(1) << 25, 2, 256, 256, 1, 0, "exceeds the 32-bit row range"},
+      {p, p, p, ip, ip, 4, 4096, 1 << 20, 256, 1, 0, "num_local_experts * m exceeds"},
+      {p, p, p, ip, ip, 4, 2, 256, 256, 2, 0, "out_fp32 must be 0 or 1"},
+      {p, p, p, ip, ip, 4, 2, 256, 256, 1, 3, "accumulate must be 0 or 1"},
+      {p, p, p, ip, ip, 4, 2, 256, 256, 0, 1, "accumulate = 1 needs out_fp32 = 1"},
+      {buf + 2, p, p, ip, ip, 4, 2, 256, 256, 1, 0, "a_pool, b_pool and out must be 16-byte aligned"},
   };
   for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_weight_grad_bf16(x.a, x.b, x.out, x.offsets, x.max_blocks, x.experts, x.m, x.n,
-                                                     x.fp32, x.accumulate, nullptr),
+    expect_rejected(megamoe_grouped_weight_grad_bf16(x.a, x.b, x.out, x.offsets, x.counts, x.max_blocks, x.experts,
+                                                     x.m, x.n, x.fp32, x.accumulate, nullptr),
                     x.message);
   }
 }

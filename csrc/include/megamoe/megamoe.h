@@ -155,19 +155,21 @@ int megamoe_dp_reduce(const float* dp_partial, const int32_t* route_to_slot, flo
                       int32_t intermediate, int64_t max_blocks, void* stream);
 
 // ---------------------------------------------------------------------------------------------
-// Weight gradients, K-grouped over each expert's pool rows [expert_offsets[e], expert_offsets[e+1]):
+// Weight gradients, K-grouped over each expert's routed pool rows: from expert_offsets[e],
+// expert_counts[e] rows rounded up to a multiple of 64 (never past expert_offsets[e + 1]):
 //   out[e] (+)= a_pool[rows of e]ᵀ · b_pool[rows of e]          out[e]: [m, n], fp32 accumulation
 // a_pool [max_blocks * 128, m], b_pool [max_blocks * 128, n] bf16 (token-major, as the pool holds
 // them); out [E_local, m, n], bf16 (out_fp32 = 0) or fp32 (out_fp32 = 1); accumulate = 1 (fp32 only)
 // adds into out instead of overwriting it. dw2 = (a = dy_pool, b = hp = p·h; m = H, n = I) has
-// w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows must be zero in a
-// or b and finite in both (dispatch and the dh epilogue write zeros there). An expert with no rows
-// gets zeros (accumulate: out unchanged). expert_offsets [E_local + 1] is the routing plan's (read
-// on the device, clamped to the pool; multiples of 128). m and n multiples of 128; 16-byte aligned.
+// w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows inside the last
+// 64-row k-block must be zero in a or b and finite in both (dispatch and the dh epilogue write zeros
+// there); the padding past it is never read. An expert with no rows gets zeros (accumulate: out
+// unchanged). expert_offsets [E_local + 1] and expert_counts [E_local] are the routing plan's (read
+// on the device, clamped to the pool; offsets multiples of 128). m and n multiples of 128; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 int megamoe_grouped_weight_grad_bf16(const void* a_pool, const void* b_pool, void* out, const int32_t* expert_offsets,
-                                     int64_t max_blocks, int32_t num_local_experts, int32_t m, int32_t n,
-                                     int32_t out_fp32, int32_t accumulate, void* stream);
+                                     const int32_t* expert_counts, int64_t max_blocks, int32_t num_local_experts,
+                                     int32_t m, int32_t n, int32_t out_fp32, int32_t accumulate, void* stream);
 
 #ifdef __cplusplus
 }

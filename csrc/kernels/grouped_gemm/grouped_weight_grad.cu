@@ -1,5 +1,5 @@
 // megamoe_grouped_weight_grad_bf16: out[e] = A[rows of e]ᵀ · B[rows of e] for every local expert,
-// K running over the expert's pool rows (kernel.cuh with scheduler_expert.cuh and
+// K running over the expert's routed pool rows (kernel.cuh with scheduler_expert.cuh and
 // epilogue_weight_grad.cuh; both operands token-major, i.e. MN-major).
 #include "kernels/grouped_gemm/epilogue_weight_grad.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -11,8 +11,8 @@ namespace {
 
 template <int BlockN, bool Fp32>
 int weight_grad(const CUtensorMap& map_a, const CUtensorMap& map_b, void* out, const int32_t* expert_offsets,
-                int64_t pool_rows, int32_t num_local_experts, int32_t m, int32_t n, int accumulate, void* stream,
-                const std::string& fn) {
+                const int32_t* expert_counts, int64_t pool_rows, int32_t num_local_experts, int32_t m, int32_t n,
+                int accumulate, void* stream, const std::string& fn) {
   using Epi = WeightGradEpilogue<BlockN, Fp32>;
   typename Epi::Params epi{};
   if constexpr (!Fp32) {
@@ -25,7 +25,8 @@ int weight_grad(const CUtensorMap& map_a, const CUtensorMap& map_b, void* out, c
   epi.m = m;
   epi.n = n;
   epi.accumulate = accumulate;
-  const ExpertScheduler::Params sched{expert_offsets, num_local_experts, m / kBlockM, n / BlockN, int(pool_rows)};
+  const ExpertScheduler::Params sched{expert_offsets, expert_counts, num_local_experts, m / kBlockM, n / BlockN,
+                                      int(pool_rows)};
   const int64_t tiles = int64_t(num_local_experts) * (m / kBlockM) * (n / BlockN);
   return launch<Epi, ExpertScheduler>(map_a, map_b, epi, sched, tiles, stream);
 }
@@ -33,13 +34,14 @@ int weight_grad(const CUtensorMap& map_a, const CUtensorMap& map_b, void* out, c
 }  // namespace
 
 extern "C" int megamoe_grouped_weight_grad_bf16(const void* a_pool, const void* b_pool, void* out,
-                                                const int32_t* expert_offsets, int64_t max_blocks,
-                                                int32_t num_local_experts, int32_t m, int32_t n, int32_t out_fp32,
-                                                int32_t accumulate, void* stream) {
+                                                const int32_t* expert_offsets, const int32_t* expert_counts,
+                                                int64_t max_blocks, int32_t num_local_experts, int32_t m, int32_t n,
+                                                int32_t out_fp32, int32_t accumulate, void* stream) {
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const std::string fn = "megamoe_grouped_weight_grad_bf16: ";
-  if (a_pool == nullptr || b_pool == nullptr || out == nullptr || expert_offsets == nullptr) {
-    return invalid_argument(fn + "a_pool, b_pool, out and expert_offsets must be non-null");
+  if (a_pool == nullptr || b_pool == nullptr || out == nullptr || expert_offsets == nullptr ||
+      expert_counts == nullptr) {
+    return invalid_argument(fn + "a_pool, b_pool, out, expert_offsets and expert_counts must be non-null");
   }
   if (m <= 0 || m % 128 != 0) return invalid_argument(fn + "m must be a positive multiple of 128, got " + std::to_string(m));
   if (n <= 0 || n % 128 != 0) return invalid_argument(fn + "n must be a positive multiple of 128, got " + std::to_string(n));
@@ -75,13 +77,13 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const void* a_pool, const void* 
   }
   const bool wide = choose_block_n(n) == 256;
   if (out_fp32) {
-    return wide ? weight_grad<256, true>(map_a, map_b, out, expert_offsets, pool_rows, num_local_experts, m, n,
-                                         accumulate, stream, fn)
-                : weight_grad<128, true>(map_a, map_b, out, expert_offsets, pool_rows, num_local_experts, m, n,
-                                         accumulate, stream, fn);
+    return wide ? weight_grad<256, true>(map_a, map_b, out, expert_offsets, expert_counts, pool_rows, num_local_experts,
+                                         m, n, accumulate, stream, fn)
+                : weight_grad<128, true>(map_a, map_b, out, expert_offsets, expert_counts, pool_rows, num_local_experts,
+                                         m, n, accumulate, stream, fn);
   }
-  return wide ? weight_grad<256, false>(map_a, map_b, out, expert_offsets, pool_rows, num_local_experts, m, n, 0,
-                                        stream, fn)
-              : weight_grad<128, false>(map_a, map_b, out, expert_offsets, pool_rows, num_local_experts, m, n, 0,
-                                        stream, fn);
+  return wide ? weight_grad<256, false>(map_a, map_b, out, expert_offsets, expert_counts, pool_rows, num_local_experts,
+                                        m, n, 0, stream, fn)
+              : weight_grad<128, false>(map_a, map_b, out, expert_offsets, expert_counts, pool_rows, num_local_experts,
+                                        m, n, 0, stream, fn);
 }

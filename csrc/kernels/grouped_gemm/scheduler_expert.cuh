@@ -1,13 +1,14 @@
 // K-grouped tile scheduler of the weight gradients: C[e] = A[rows of e]ᵀ · B[rows of e] for every
 // local expert e, where A [pool rows, M] and B [pool rows, N] are token-major (MN-major operands)
-// and K runs over the expert's pool rows [expert_offsets[e], expert_offsets[e + 1]).
+// and K runs over the expert's routed rows: from expert_offsets[e], expert_counts[e] of them rounded
+// up to 64 (the padding past that, up to the next multiple of 128, would only add zeros).
 //
 // Tiles are (expert, m-tile, n-tile) triples numbered n-tile fastest, then m-tile, then expert, so
 // the CTAs running at the same time read the same expert's rows (from L2 after the first). CTA i
-// takes tiles i, i + grid, ... Each tile's k-block count comes from expert_offsets on the device
-// (no host synchronisation); an expert with no rows gets tiles with k_blocks = 0, which the math
-// warpgroups turn into zeros. Offsets are clamped to [0, max_rows] and must be multiples of 64
-// (the routing plan's are multiples of 128).
+// takes tiles i, i + grid, ... Each tile's k-block count comes from the plan on the device (no host
+// synchronisation); an expert with no rows gets tiles with k_blocks = 0, which the math warpgroups
+// turn into zeros. Offsets are clamped to [0, max_rows] and must be multiples of 64 (the routing
+// plan's are multiples of 128); the k-blocks never reach past the next expert's offset.
 #pragma once
 
 #include <cstdint>
@@ -22,13 +23,14 @@ struct ExpertTile {
   int m_tile;
   int n_tile;
   int k_row;     // first pool row of the expert
-  int k_blocks;  // its rows / 64
+  int k_blocks;  // its routed rows / 64, rounded up
 };
 
 struct ExpertScheduler {
   static constexpr bool kMayBeEmpty = true;
   struct Params {
     const int32_t* expert_offsets;  // [num_experts + 1]
+    const int32_t* expert_counts;   // [num_experts]
     int num_experts;
     int m_tiles;  // M / 128
     int n_tiles;  // N / BLOCK_N
@@ -36,12 +38,15 @@ struct ExpertScheduler {
   };
 
   const int32_t* expert_offsets;
+  const int32_t* expert_counts;
   int m_tiles, n_tiles, max_rows;
   int num_tiles;
   int tile_index;
 
   __device__ explicit ExpertScheduler(const Params& p)
-      : expert_offsets(p.expert_offsets), m_tiles(p.m_tiles), n_tiles(p.n_tiles), max_rows(p.max_rows),
+      : expert_offsets(p.expert_offsets),
+        expert_counts(p.expert_counts),
+        m_tiles(p.m_tiles), n_tiles(p.n_tiles), max_rows(p.max_rows),
         num_tiles(p.num_experts * p.m_tiles * p.n_tiles),  // the launcher checks it fits in int
         tile_index(int(blockIdx.x)) {}
 
@@ -56,7 +61,10 @@ struct ExpertScheduler {
     int end = __ldg(expert_offsets + e + 1);
     begin = begin < 0 ? 0 : (begin > max_rows ? max_rows : begin);
     end = end < begin ? begin : (end > max_rows ? max_rows : end);
-    return {e, rest / n_tiles, rest % n_tiles, begin, (end - begin) / kBlockK};
+    const int count = __ldg(expert_counts + e);
+    const int routed_blocks = count <= 0 ? 0 : (count + kBlockK - 1) / kBlockK;
+    const int k_blocks = (end - begin) / kBlockK;
+    return {e, rest / n_tiles, rest % n_tiles, begin, routed_blocks < k_blocks ? routed_blocks : k_blocks};
   }
 
   template <class Cfg>
