@@ -1,7 +1,7 @@
 # A/B of library builds in one call on the GPU machine. Each scratch/<name>.tgz (from
 # `git archive <rev> CMakeLists.txt csrc python | gzip > scratch/<name>.tgz`) is built into
 # /tmp/b_<name> (kept while the machine stays warm) and benchmarked with its own Python package, in
-# the order given, twice (ABAB), so drift shows. Carry .whl.
+# the order given, twice (ABAB), so drift shows. Carry .whl and scratch (both ignored by git).
 #   bash scripts/experiments/ab_libraries.sh <name> ... [-- <megamoe.bench args>]
 set -u
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift
