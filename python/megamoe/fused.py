@@ -212,7 +212,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
             target = out if main_grad is None else main_grad
             _native.check(lib.megamoe_grouped_weight_grad_bf16(
                 a.data_ptr(), b.data_ptr(), target.data_ptr(), plan.expert_offsets.data_ptr(),
-                plan.expert_counts.data_ptr(), pool.max_blocks, num_local, target.shape[1], target.shape[2], accumulate, accumulate, stream),
+                plan.expert_counts.data_ptr(), pool.max_blocks, num_local, target.shape[1], target.shape[2],
+                accumulate, accumulate, stream),
                 "fused backward weight gradient")
     return dx, dweights, dw13, dw2
 
