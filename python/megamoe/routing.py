@@ -39,8 +39,8 @@ class RoutingPlan:
         return cls(**views, buffer=buffer)
 
 
-PLAN_FIELDS = ("expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
-               "num_invalid")
+# The plan's arrays, in the order of megamoe_routing_plan's pointers (the dataclass order).
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan) if f.name != "buffer")
 
 
 def pool_capacity(num_routes, num_local_experts: int):
