@@ -16,19 +16,31 @@
 //   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, tile, warpgroup) -> Rows
 //   (per-tile values loaded before the main loop, to hide their latency), store(...), drain(); the
 //   tile is the scheduler's (PoolTile: block, n_tile; ExpertTile: expert, m_tile, n_tile).
+// An epilogue that reads a tile-shaped input (epilogue_swiglu_backward.cuh: z) also declares
+// kRingChunks > 0 and load_ring(params, tile, smem, state): the producer loads that many stages of
+// it through the operand ring after the tile's k-blocks, and store(..., state) consumes them.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
+
+#include <type_traits>
 
 #include "kernels/grouped_gemm/config.cuh"
 #include "kernels/grouped_gemm/scheduler.cuh"
 
 namespace megamoe::grouped_gemm {
+
+// Epi::kRingChunks, or 0 for the epilogues that read nothing through the operand ring.
+template <class Epi, class = void>
+struct RingChunks : std::integral_constant<int, 0> {};
+template <class Epi>
+struct RingChunks<Epi, std::void_t<decltype(Epi::kRingChunks)>> : std::integral_constant<int, Epi::kRingChunks> {};
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> low half = lower column
@@ -88,39 +100,28 @@ __device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CU
   }
 }
 
-// stage_chunk for values already rounded: v[2 j + h] = bf16 pair of 8-column group j (0..7) of the
-// chunk, row half h (h = 1: row + 8), as pack_bf16x2 of the matching fragment entries.
-__device__ __forceinline__ void stage_packed_chunk(const uint32_t (&v)[16], uint8_t* chunk) {
+// Packed bf16 pairs, 16 columns at a time: v[q] (q = 2 g + h) is the thread's pair of 8-column
+// group 2 p + g, row half h (h = 1: row + 8) of a 64 x 64 swizzled chunk, i.e. pack_bf16x2 of the
+// matching fragment entries. One stmatrix / ldmatrix .x4 moves the warp's 16 rows x 16 columns.
+__device__ __forceinline__ uint8_t* packed_pair_address(uint8_t* chunk, int p) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x / 32) % 4;
   const int matrix = lane / 8;
   const int row = warp * 16 + (matrix % 2) * 8 + lane % 8;
-#pragma unroll
-  for (int p = 0; p < kEpiCols / 16; ++p) {
-    const int group = 2 * p + matrix / 2;
-    auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
-    cute::SM90_U32x4_STSM_N::copy(v[4 * p + 0], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3],
-                                  *reinterpret_cast<cute::uint128_t*>(dst));
-  }
+  const int group = 2 * p + matrix / 2;
+  return chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
 }
 
-// One packed 64-column chunk of the warpgroup's 64 rows to C[row0.., col0..] by TMA, through chunk
-// buffer `buffer` (callers alternate buffers and issue an even number of chunks per tile).
-template <class Smem>
-__device__ __forceinline__ void tma_store_packed_chunk(const uint32_t (&v)[16], const CUtensorMap* tma_c,
-                                                       const Smem& smem, int warpgroup, int buffer, int row0,
-                                                       int col0) {
-  const bool leader = threadIdx.x % 128 == 0;
-  uint8_t* chunk = smem.epi(warpgroup, buffer);
-  if (leader) cute::tma_store_wait<kEpiBuffers - 1>();  // the store that last read this buffer
-  warpgroup_sync(warpgroup);
-  stage_packed_chunk(v, chunk);
-  cutlass::arch::fence_view_async_shared();
-  warpgroup_sync(warpgroup);
-  if (leader) {
-    cute::SM90_TMA_STORE_2D::copy(tma_c, chunk, col0, row0);
-    cute::tma_store_arrive();
-  }
+__device__ __forceinline__ void stage_packed_pair(const uint32_t (&v)[4], uint8_t* chunk, int p) {
+  cute::SM90_U32x4_STSM_N::copy(v[0], v[1], v[2], v[3],
+                                *reinterpret_cast<cute::uint128_t*>(packed_pair_address(chunk, p)));
+}
+
+// A TMA box of a row-major bf16 matrix (64 columns, 128B swizzle) lands in exactly this layout, so
+// this reads such a box straight into fragment order.
+__device__ __forceinline__ void load_packed_pair(uint32_t (&v)[4], uint8_t* chunk, int p) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(packed_pair_address(chunk, p)), v[0],
+                                v[1], v[2], v[3]);
 }
 
 // Before the CTA exits, its last stores must have finished reading shared memory.

@@ -1,45 +1,57 @@
 // dh epilogue of the backward: dh = dy_pool · w2[e] (fp32 accumulators, MN-major B), then per pool
 // row r (topk weight p = p_pool[r]) and column i of the tile, with g, u from z_pool (bf16 -> fp32):
 //   σ = sigmoid(g), silu = g σ, h = silu · u
-//   dp_partial[r, n_tile] = Σ_i h · dh              (this tile's 128 columns, fixed order)
+//   dp_partial[r, q] = Σ_i h · dh over i in [128 q, 128 q + 128)   (fixed order)
 //   dh_w = p · dh,  dg = dh_w · u · σ (1 + g (1 − σ)),  du = dh_w · silu,  hp = p · h
 //   dz[r, n0 + i] = dg, dz[r, I + n0 + i] = du, hp[r, n0 + i] = hp   (bf16, one rounding each)
 // Rows with p == 0 (padding rows, or a zero weight) get dz = hp = 0 exactly, whatever z holds.
 //
-// BLOCK_N = 128: one tile's dh columns [n0, n0 + 128) are the same columns of g and u. Before the
-// main loop each thread loads the g and u pairs at its own fragment positions (epilogue.cuh: lane l
-// of warp w holds rows 16w + l/4 (+8), columns 8j + 2(l%4) + {0,1}): 4-byte loads that complete
-// while the tile's k-loop runs, so the epilogue does not wait for memory. Outputs are packed to
-// bf16 pairs chunk by chunk (64 columns) and leave through the swizzled chunk buffers by TMA:
-// dg, du, hp per chunk, 6 stores per tile alternating the two buffers.
-// dp: each thread sums its 32 columns of each of its 2 rows, then the 4 lanes sharing a row add in
-// a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics: deterministic.
+// The tile's dh columns [n0, n0 + BLOCK_N) need the same columns of g and u: 2 x BLOCK_N bf16 per row,
+// too many to hold in registers next to 128 x 256 accumulators. So z comes through the operand ring:
+// after the tile's k-blocks the producer loads, per 64-column chunk c, the 128 x 64 boxes of g and u
+// (one stage per chunk: g in its A slot, u in its B slot, both 128B-swizzled), already in flight while
+// the last k-blocks run. Each math warpgroup reads its 64 rows of a chunk 16 columns at a time with
+// ldmatrix, straight into the accumulator fragment's layout (epilogue.cuh), and writes dg and du in
+// place of g and u (and hp into a chunk buffer) with stmatrix; then three TMA stores per chunk. The
+// outputs never sit in registers as a whole chunk, which keeps the 256-wide tile within 168
+// registers. BLOCK_N is 256 when I allows it (the wide tile's main loop streams half the L2 bytes
+// per FLOP), 128 otherwise.
+// dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
+// lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
+// deterministic, and the same sums in the same order for either BLOCK_N.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "kernels/grouped_gemm/epilogue.cuh"
+#include "kernels/grouped_gemm/operand.cuh"
+#include "kernels/grouped_gemm/pipeline.cuh"
 
 namespace megamoe::grouped_gemm {
 
+// The kernel parameter, the same for either tile width.
+struct SwigluBackwardParams {
+  CUtensorMap dz;          // [max_blocks * 128, 2I], 64 x 64 boxes
+  CUtensorMap hp;          // [max_blocks * 128, I], 64 x 64 boxes
+  CUtensorMap z;           // [max_blocks * 128, 2I], 128 x 64 boxes (read through the ring)
+  const float* p;          // [max_blocks * 128]
+  float* dp_partial;       // [max_blocks * 128, I / 128]
+  int intermediate;
+};
+
+template <int BlockN>
 struct SwigluBackwardEpilogue {
-  using Cfg = Config<128, 1, Major::K, Major::MN>;
-  static constexpr int kGroups = Cfg::kBlockN / 8;  // 8-column groups per tile: 16
-  static constexpr int kChunks = Cfg::kBlockN / kEpiCols;
-  static_assert(Cfg::kAccumulators == 4 * kGroups);
-  static_assert(kEpiBuffers == 2 && (3 * kChunks) % 2 == 0, "stores alternate the two chunk buffers");
-  struct Params {
-    CUtensorMap dz;  // [max_blocks * 128, 2I], 64 x 64 boxes
-    CUtensorMap hp;  // [max_blocks * 128, I], 64 x 64 boxes
-    const __nv_bfloat16* z;  // [max_blocks * 128, 2I]
-    const float* p;          // [max_blocks * 128]
-    float* dp_partial;       // [max_blocks * 128, I / 128]
-    int intermediate;
-  };
+  using Cfg = Config<BlockN, 1, Major::K, Major::MN>;
+  static constexpr int kChunks = BlockN / kEpiCols;
+  static constexpr int kRingChunks = kChunks;                    // one ring stage of z per chunk
+  static constexpr int kZBoxBytes = kBlockM * kEpiCols * 2;      // g or u of one chunk: 16 KB
+  static constexpr int kChunksPerPartial = 128 / kEpiCols;       // dp partials cover 128 columns
+  static_assert(Cfg::kABytes == kZBoxBytes && Cfg::kBBytes >= kZBoxBytes, "a chunk of g and u fits a stage");
+  static_assert(kEpiBuffers == 2 && kChunks % 2 == 0, "chunk c reuses chunk c - 2's hp buffer");
+  static_assert(Cfg::kStages > 2, "the epilogue holds two stages while it waits for a third");
+  using Params = SwigluBackwardParams;
   struct Rows {
-    uint32_t g[kGroups][2];  // bf16 pairs at the thread's fragment positions, row half 0 / 1
-    uint32_t u[kGroups][2];
-    float p[2];
+    float p[2];  // the topk weights of the thread's two fragment rows
   };
 
   __device__ static int fragment_row(int warpgroup) {  // pool row offset of the thread's row half 0
@@ -49,50 +61,75 @@ struct SwigluBackwardEpilogue {
   __device__ static void prefetch(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dz);
     cute::prefetch_tma_descriptor(&p.hp);
+    cute::prefetch_tma_descriptor(&p.z);
   }
 
   __device__ static Rows prepare(const Params& p, const PoolTile& t, int warpgroup) {
     const int64_t row = int64_t(t.block) * kBlockM + fragment_row(warpgroup);
-    const int col = t.n_tile * Cfg::kBlockN + 2 * int(threadIdx.x % 4);
-    const int64_t ld = 2 * int64_t(p.intermediate);
-    Rows r;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __nv_bfloat16* zr = p.z + (row + 8 * h) * ld + col;
-      r.p[h] = __ldg(p.p + row + 8 * h);
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        r.g[j][h] = __ldg(reinterpret_cast<const unsigned int*>(zr + 8 * j));
-        r.u[j][h] = __ldg(reinterpret_cast<const unsigned int*>(zr + p.intermediate + 8 * j));
-      }
+    return {{__ldg(p.p + row), __ldg(p.p + row + 8)}};
+  }
+
+  // Producer side: the tile's z chunks, g into the stage's A slot and u into its B slot.
+  template <class Smem, int Stages>
+  __device__ static void load_ring(const Params& p, const PoolTile& t, const Smem& smem,
+                                   PipelineState<Stages>& state) {
+#pragma unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
+      uint64_t* full = smem.full(state.stage);
+      Barrier::arrive_and_expect_tx(full, 2 * kZBoxBytes);
+      const int col = t.n_tile * BlockN + c * kEpiCols;
+      cute::SM90_TMA_LOAD_2D::copy(&p.z, full, kTmaCacheHint, smem.a(state.stage), col, t.block * kBlockM);
+      cute::SM90_TMA_LOAD_2D::copy(&p.z, full, kTmaCacheHint, smem.b(state.stage), p.intermediate + col,
+                                   t.block * kBlockM);
+      state.advance();
     }
-    return r;
   }
 
   __device__ static float2 unpack(uint32_t v) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
   }
 
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, const Rows& rows) {
+  // Chunk c's stage is held until the TMA stores that read dg and du from it are done: released
+  // at chunk c + 2 (whose hp buffer is chunk c's) or, for the last two, at the end of the tile.
+  template <class Smem, int Stages>
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const Smem& smem,
+                               int warpgroup, const PoolTile& t, const Rows& rows, PipelineState<Stages>& state) {
+    const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
+    const bool signals = threadIdx.x % 32 == 0;  // one empty-barrier arrive per warp
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    const int col0 = t.n_tile * Cfg::kBlockN;
+    const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;  // the warpgroup's 64 rows
+    int stages[kChunks];
     float dp[2] = {0.f, 0.f};
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      uint32_t dg[16], du[16], hp[16];  // [2 j + h] for the chunk's 8 groups
+      stages[c] = state.stage;
+      Barrier::wait(smem.full(state.stage), state.phase);
+      state.advance();
+      if (c >= 2) {
+        if (leader) cute::tma_store_wait<1>();  // chunk c - 2's stores have read their shared memory
+        warpgroup_sync(warpgroup);
+        if (signals) Barrier::arrive(smem.empty(stages[c - 2]));
+      }
+      uint8_t* g_dg = smem.a(stages[c]) + rows_offset;  // g in, dg out
+      uint8_t* u_du = smem.b(stages[c]) + rows_offset;  // u in, du out
+      uint8_t* hp_chunk = smem.epi(warpgroup, c % kEpiBuffers);
 #pragma unroll
-      for (int jl = 0; jl < 8; ++jl) {
-        const int j = c * 8 + jl;
+      for (int pair = 0; pair < kEpiCols / 16; ++pair) {
+        uint32_t g[4], u[4], dg[4], du[4], hp[4];
+        load_packed_pair(g, g_dg, pair);
+        load_packed_pair(u, u_du, pair);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float2 g = unpack(rows.g[j][h]);
-          const float2 u = unpack(rows.u[j][h]);
+        for (int q = 0; q < 4; ++q) {
+          const int j = c * (kEpiCols / 8) + 2 * pair + q / 2;  // 8-column group of the tile
+          const int h = q % 2;                                  // row half
+          const float2 gv = unpack(g[q]);
+          const float2 uv = unpack(u[q]);
           const float pw = rows.p[h];
           float out_dg[2], out_du[2], out_hp[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float gi = i ? g.y : g.x, ui = i ? u.y : u.x;
+            const float gi = i ? gv.y : gv.x, ui = i ? uv.y : uv.x;
             const float dh = acc[4 * j + 2 * h + i];
             const float sig = __fdividef(1.0f, 1.0f + __expf(-gi));  // e^-g = inf -> 0, the limit
             const float silu = gi * sig;
@@ -104,29 +141,48 @@ struct SwigluBackwardEpilogue {
             out_du[i] = live ? dhw * silu : 0.f;
             out_hp[i] = live ? pw * hv : 0.f;
           }
-          dg[2 * jl + h] = pack_bf16x2(out_dg[0], out_dg[1]);
-          du[2 * jl + h] = pack_bf16x2(out_du[0], out_du[1]);
-          hp[2 * jl + h] = pack_bf16x2(out_hp[0], out_hp[1]);
+          dg[q] = pack_bf16x2(out_dg[0], out_dg[1]);
+          du[q] = pack_bf16x2(out_du[0], out_du[1]);
+          hp[q] = pack_bf16x2(out_hp[0], out_hp[1]);
         }
+        stage_packed_pair(dg, g_dg, pair);  // the same addresses this warp just read: no other warp's rows
+        stage_packed_pair(du, u_du, pair);
+        stage_packed_pair(hp, hp_chunk, pair);
       }
-      const int col = col0 + c * kEpiCols;
-      // Store s = 3 c + o uses buffer s % 2: strictly alternating (6 stores per tile, so tiles agree).
-      tma_store_packed_chunk(dg, &p.dz, smem, warpgroup, (3 * c + 0) % kEpiBuffers, row0, col);
-      tma_store_packed_chunk(du, &p.dz, smem, warpgroup, (3 * c + 1) % kEpiBuffers, row0, p.intermediate + col);
-      tma_store_packed_chunk(hp, &p.hp, smem, warpgroup, (3 * c + 2) % kEpiBuffers, row0, col);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
+      warpgroup_sync(warpgroup);
+      const int col = t.n_tile * BlockN + c * kEpiCols;
+      if (leader) {
+        cute::SM90_TMA_STORE_2D::copy(&p.dz, g_dg, col, row0);
+        cute::SM90_TMA_STORE_2D::copy(&p.dz, u_du, p.intermediate + col, row0);
+        cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk, col, row0);
+        cute::tma_store_arrive();  // one bulk group per chunk
+      }
+      if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
     }
-    // The 4 lanes of a row hold disjoint columns: add them in a fixed order.
+    if (leader) cute::tma_store_wait<0>();
+    warpgroup_sync(warpgroup);
+#pragma unroll
+    for (int c = kChunks - 2; c < kChunks; ++c) {
+      if (signals) Barrier::arrive(smem.empty(stages[c]));
+    }
+  }
+
+  // The 4 lanes of a row hold disjoint columns: add them in a fixed order; then start the next partial.
+  __device__ static void write_dp_partial(const Params& p, float (&dp)[2], const PoolTile& t, int warpgroup,
+                                          int partial) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
       dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
     }
     if (threadIdx.x % 4 == 0) {
-      const int n_tiles = p.intermediate / Cfg::kBlockN;
+      const int partials = p.intermediate / 128;
       const int64_t row = int64_t(t.block) * kBlockM + fragment_row(warpgroup);
-      p.dp_partial[row * n_tiles + t.n_tile] = dp[0];
-      p.dp_partial[(row + 8) * n_tiles + t.n_tile] = dp[1];
+      p.dp_partial[row * partials + partial] = dp[0];
+      p.dp_partial[(row + 8) * partials + partial] = dp[1];
     }
+    dp[0] = dp[1] = 0.f;
   }
   __device__ static void drain() { drain_stores(); }
 };

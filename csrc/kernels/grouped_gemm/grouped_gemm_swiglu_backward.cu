@@ -31,10 +31,9 @@ extern "C" int megamoe_grouped_gemm_swiglu_backward_bf16(const void* dy_pool, co
   }
   if (max_blocks == 0) return MEGAMOE_OK;  // an empty pool: nothing to compute or store
 
-  using Epi = SwigluBackwardEpilogue;
   const uint64_t rows = uint64_t(max_blocks) * kBlockM;
   CUtensorMap map_a, map_b;
-  Epi::Params epi;
+  SwigluBackwardParams epi;
   if (int s = make_tensor_map(&map_a, dy_pool, rows, uint64_t(hidden), kBlockM, fn, "dy_pool"); s != MEGAMOE_OK) {
     return s;
   }
@@ -51,10 +50,18 @@ extern "C" int megamoe_grouped_gemm_swiglu_backward_bf16(const void* dy_pool, co
   if (int s = make_tensor_map(&epi.hp, hp, rows, uint64_t(intermediate), kWarpgroupRows, fn, "hp"); s != MEGAMOE_OK) {
     return s;
   }
-  epi.z = static_cast<const __nv_bfloat16*>(z_pool);
+  if (int s = make_tensor_map(&epi.z, z_pool, rows, 2 * uint64_t(intermediate), kBlockM, fn, "z_pool");
+      s != MEGAMOE_OK) {
+    return s;
+  }
   epi.p = p_pool;
   epi.dp_partial = dp_partial;
   epi.intermediate = intermediate;
-  return launch_pool<Epi>(map_a, map_b, epi, block_expert, num_blocks, max_blocks, intermediate / Epi::Cfg::kBlockN,
-                          BRows{hidden, 0}, hidden, stream);
+  const BRows b_rows{hidden, 0};
+  if (choose_block_n(intermediate) == 256) {
+    return launch_pool<SwigluBackwardEpilogue<256>>(map_a, map_b, epi, block_expert, num_blocks, max_blocks,
+                                                    intermediate / 256, b_rows, hidden, stream);
+  }
+  return launch_pool<SwigluBackwardEpilogue<128>>(map_a, map_b, epi, block_expert, num_blocks, max_blocks,
+                                                  intermediate / 128, b_rows, hidden, stream);
 }

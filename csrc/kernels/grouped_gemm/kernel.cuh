@@ -57,7 +57,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x == 0) produce_operands<Cfg>(&tma_a, &tma_b, smem, sched);
+    if (threadIdx.x == 0) produce_operands<Cfg, Epi>(&tma_a, &tma_b, epi, smem, sched);
     return;
   }
 
@@ -75,7 +75,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
     // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
     if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
-    Epi::store(acc, epi, smem, math_wg, tile, rows);
+    if constexpr (RingChunks<Epi>::value > 0) {
+      Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
+    } else {
+      Epi::store(acc, epi, smem, math_wg, tile, rows);
+    }
   }
   Epi::drain();
 }

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
 #include "kernels/grouped_gemm/scheduler.cuh"
@@ -55,10 +56,11 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
-// One thread streams every tile's A and B k-blocks into the ring.
-template <class Cfg, class Sched, class Smem>
-__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const Smem& smem,
-                                 Sched sched) {
+// One thread streams every tile's A and B k-blocks into the ring, then the stages its epilogue
+// reads through the ring, if any (epilogue.cuh, RingChunks).
+template <class Cfg, class Epi, class Sched, class Smem>
+__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                 const typename Epi::Params& epi, const Smem& smem, Sched sched) {
   using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
   PipelineState<Cfg::kStages> state;
@@ -74,6 +76,7 @@ __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tm
                                                     o.b_k + kb * kBlockK, o.b_box_stride);
       state.advance();
     }
+    if constexpr (RingChunks<Epi>::value > 0) Epi::load_ring(epi, tile, smem, state);
   }
 }
 
