@@ -120,8 +120,8 @@ __device__ __forceinline__ void stage_packed_pair(const uint32_t (&v)[4], uint8_
 // A TMA box of a row-major bf16 matrix (64 columns, 128B swizzle) lands in exactly this layout, so
 // this reads such a box straight into fragment order.
 __device__ __forceinline__ void load_packed_pair(uint32_t (&v)[4], uint8_t* chunk, int p) {
-  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(packed_pair_address(chunk, p)), v[0],
-                                v[1], v[2], v[3]);
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(packed_pair_address(chunk, p)), v[0], v[1],
+                                v[2], v[3]);
 }
 
 // Before the CTA exits, its last stores must have finished reading shared memory.

@@ -31,11 +31,11 @@ namespace megamoe::grouped_gemm {
 
 // The kernel parameter, the same for either tile width.
 struct SwigluBackwardParams {
-  CUtensorMap dz;          // [max_blocks * 128, 2I], 64 x 64 boxes
-  CUtensorMap hp;          // [max_blocks * 128, I], 64 x 64 boxes
-  CUtensorMap z;           // [max_blocks * 128, 2I], 128 x 64 boxes (read through the ring)
-  const float* p;          // [max_blocks * 128]
-  float* dp_partial;       // [max_blocks * 128, I / 128]
+  CUtensorMap dz;     // [max_blocks * 128, 2I], 64 x 64 boxes
+  CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
+  CUtensorMap z;      // [max_blocks * 128, 2I], 128 x 64 boxes (read through the ring)
+  const float* p;     // [max_blocks * 128]
+  float* dp_partial;  // [max_blocks * 128, I / 128]
   int intermediate;
 };
 
@@ -43,9 +43,9 @@ template <int BlockN>
 struct SwigluBackwardEpilogue {
   using Cfg = Config<BlockN, 1, Major::K, Major::MN>;
   static constexpr int kChunks = BlockN / kEpiCols;
-  static constexpr int kRingChunks = kChunks;                    // one ring stage of z per chunk
-  static constexpr int kZBoxBytes = kBlockM * kEpiCols * 2;      // g or u of one chunk: 16 KB
-  static constexpr int kChunksPerPartial = 128 / kEpiCols;       // dp partials cover 128 columns
+  static constexpr int kRingChunks = kChunks;                // one ring stage of z per chunk
+  static constexpr int kZBoxBytes = kBlockM * kEpiCols * 2;  // g or u of one chunk: 16 KB
+  static constexpr int kChunksPerPartial = 128 / kEpiCols;   // dp partials cover 128 columns
   static_assert(Cfg::kABytes == kZBoxBytes && Cfg::kBBytes >= kZBoxBytes, "a chunk of g and u fits a stage");
   static_assert(kEpiBuffers == 2 && kChunks % 2 == 0, "chunk c reuses chunk c - 2's hp buffer");
   static_assert(Cfg::kStages > 2, "the epilogue holds two stages while it waits for a third");
@@ -71,8 +71,7 @@ struct SwigluBackwardEpilogue {
 
   // Producer side: the tile's z chunks, g into the stage's A slot and u into its B slot.
   template <class Smem, int Stages>
-  __device__ static void load_ring(const Params& p, const PoolTile& t, const Smem& smem,
-                                   PipelineState<Stages>& state) {
+  __device__ static void load_ring(const Params& p, const PoolTile& t, const Smem& smem, PipelineState<Stages>& state) {
 #pragma unroll 1
     for (int c = 0; c < kChunks; ++c) {
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
@@ -93,8 +92,8 @@ struct SwigluBackwardEpilogue {
   // Chunk c's stage is held until the TMA stores that read dg and du from it are done: released
   // at chunk c + 2 (whose hp buffer is chunk c's) or, for the last two, at the end of the tile.
   template <class Smem, int Stages>
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const Smem& smem,
-                               int warpgroup, const PoolTile& t, const Rows& rows, PipelineState<Stages>& state) {
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const Smem& smem, int warpgroup,
+                               const PoolTile& t, const Rows& rows, PipelineState<Stages>& state) {
     const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
     const bool signals = threadIdx.x % 32 == 0;  // one empty-barrier arrive per warp
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;

@@ -59,8 +59,8 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
 // One thread streams every tile's A and B k-blocks into the ring, then the stages its epilogue
 // reads through the ring, if any (epilogue.cuh, RingChunks).
 template <class Cfg, class Epi, class Sched, class Smem>
-__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
-                                 const typename Epi::Params& epi, const Smem& smem, Sched sched) {
+__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const typename Epi::Params& epi,
+                                 const Smem& smem, Sched sched) {
   using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
   PipelineState<Cfg::kStages> state;
