@@ -13,6 +13,7 @@ from pathlib import Path
 
 MEGAMOE_OK = 0
 BLOCK_M = 128
+MAX_PEERS = 8  # MEGAMOE_MAX_PEERS: ranks in one expert-parallel group
 
 _LIBRARY_NAME = "libmegamoe.so"
 
@@ -81,6 +82,12 @@ _SIGNATURES = {
     "megamoe_combine_bf16": (ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
+    "megamoe_dispatch_peers_bf16": (ctypes.c_int, [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
+    "megamoe_combine_peers_bf16": (ctypes.c_int, [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
 }
 
 

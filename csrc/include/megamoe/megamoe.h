@@ -75,6 +75,32 @@ int megamoe_combine_bf16(const void* routed, const float* topk_weights, const in
                          void* y, int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream);
 
 // ---------------------------------------------------------------------------------------------
+// Dispatch and combine over W <= MEGAMOE_MAX_PEERS ranks (expert parallelism), pull model. Routes
+// are numbered globally, rank by rank: rank r's route t * K + k is route_offsets[r] + t * K + k
+// (route_offsets [W + 1], host array, route_offsets[0] = 0, rank r has (route_offsets[r + 1] -
+// route_offsets[r]) / K tokens). A rank's plan is megamoe_build_routing over every rank's topk_ids
+// (concatenated in rank order) and its own experts. Peer tables are host arrays of W device
+// pointers valid on this device: peer memory (NVLink), or other buffers of the same device for W
+// virtual ranks on one GPU.
+// dispatch_peers (on the experts' owner): pool rows of the live blocks: row s = x_peers[r][t] for its
+//           route (r, t, k) = slot_to_route[s], zeros on padding rows; rows past the live blocks
+//           untouched. x_peers[r] [T_r, hidden] bf16.
+// combine_peers (on the tokens' rank): y[t] = Σ_k topk_weights[t, k] · out_peers[d][slot] where d is
+//           the rank whose plan gives global route route_offset + t * K + k a slot
+//           (route_to_slot_peers[d][route] >= 0; none: the route is masked and adds nothing), in
+//           ascending k, fp32, rounded once: bit for bit megamoe_combine_bf16's sums. out_peers[d]
+//           is rank d's pool-ordered GEMM output [pool rows, hidden] bf16 (megamoe_grouped_gemm_bf16).
+// ---------------------------------------------------------------------------------------------
+#define MEGAMOE_MAX_PEERS 8
+
+int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world, void* pool,
+                                const int32_t* slot_to_route, const int32_t* num_blocks, int64_t max_blocks,
+                                int32_t top_k, int32_t hidden, void* stream);
+int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers, int32_t world,
+                               const float* topk_weights, int64_t route_offset, void* y, int64_t num_tokens,
+                               int32_t top_k, int32_t hidden, void* stream);
+
+// ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).
 // For every block b < *num_blocks with local expert e = block_expert[b]:
 //   C[128 b : 128 b + 128, :] = A[128 b : 128 b + 128, :] · B[e]ᵀ

@@ -1,0 +1,173 @@
+// Dispatch and combine over W ranks (expert parallelism), pull model: every rank reads what it
+// needs from its peers through a table of device pointers, one per rank, that are valid on this
+// device (peer memory over NVLink; other buffers of the same device for virtual ranks, which is
+// how one GPU tests the protocol).
+//
+// Routes are numbered globally, rank by rank: rank r's route t K + k is route_offsets[r] + t K + k.
+// A rank's routing plan covers every rank's routes (the topk_ids of all ranks, gathered) and its
+// own experts, so its pool holds rows from all ranks and its route_to_slot tells, for any route,
+// where in this rank's pool the route's row is (or -1).
+//   dispatch (on the experts' owner): pool row s of a live block = x_r[t] for its route (r, t, k),
+//            zeros on padding rows; one warp per row, in pool order.
+//   combine (on the tokens' rank): y[t] = Σ_k p[t, k] · out_d[slot_d(route)] over the one rank d
+//            whose plan gives the route a slot, ascending k, fp32, rounded once: the same sums as
+//            megamoe_combine_bf16, so W ranks give bit for bit the result of one.
+#include <algorithm>
+
+#include "common/status.h"
+#include "common/vec16.cuh"
+
+namespace megamoe {
+namespace {
+
+constexpr int kWarpsPerCta = 8;
+
+struct DispatchPeers {
+  const Bf16x8* x[MEGAMOE_MAX_PEERS];
+  int64_t route_offsets[MEGAMOE_MAX_PEERS + 1];
+  int32_t world;
+};
+
+struct CombinePeers {
+  const Bf16x8* out[MEGAMOE_MAX_PEERS];
+  const int32_t* route_to_slot[MEGAMOE_MAX_PEERS];
+  int32_t world;
+};
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+dispatch_peer_rows(const __grid_constant__ DispatchPeers peers, Bf16x8* __restrict__ pool,
+                   const int32_t* __restrict__ slot_to_route, const int32_t* __restrict__ num_blocks,
+                   int64_t max_rows, int32_t top_k, int32_t vecs_per_row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t live_rows = std::min<int64_t>(int64_t(*num_blocks) * MEGAMOE_BLOCK_M, max_rows);
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  for (int64_t row = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; row < live_rows; row += warps) {
+    const int64_t route = slot_to_route[row];
+    const Bf16x8* src = nullptr;
+    for (int r = 0; r < peers.world && route >= 0; ++r) {
+      if (route < peers.route_offsets[r + 1]) {
+        src = peers.x[r] + (route - peers.route_offsets[r]) / top_k * vecs_per_row;
+        break;
+      }
+    }
+    Bf16x8* dst = pool + row * vecs_per_row;
+    for (int c = lane; c < vecs_per_row; c += 32) dst[c] = src != nullptr ? src[c] : Bf16x8{};
+  }
+}
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+combine_peer_rows(const __grid_constant__ CombinePeers peers, const float* __restrict__ topk_weights,
+                  int64_t route_offset, Bf16x8* __restrict__ y, int64_t num_tokens, int32_t top_k,
+                  int32_t vecs_per_row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  for (int64_t t = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; t < num_tokens; t += warps) {
+    for (int c = lane; c < vecs_per_row; c += 32) {
+      float acc[kBf16PerVec] = {};
+      for (int k = 0; k < top_k; ++k) {
+        const int64_t local_route = t * top_k + k;
+        for (int d = 0; d < peers.world; ++d) {
+          const int32_t slot = peers.route_to_slot[d][route_offset + local_route];
+          if (slot < 0) continue;
+          add_scaled(acc, peers.out[d][int64_t(slot) * vecs_per_row + c], topk_weights[local_route]);
+          break;  // a route has a slot in one plan at most: its expert's owner
+        }
+      }
+      y[t * vecs_per_row + c] = round_to_bf16(acc);
+    }
+  }
+}
+
+int grid_for(int64_t warps_wanted) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return int(std::min<int64_t>(int64_t(sms) * 8, (warps_wanted + kWarpsPerCta - 1) / kWarpsPerCta));
+}
+
+int check_world(const std::string& fn, int32_t world, int32_t top_k, int32_t hidden) {
+  if (world < 1 || world > MEGAMOE_MAX_PEERS) {
+    return invalid_argument(fn + "world must be in [1, " + std::to_string(MEGAMOE_MAX_PEERS) + "], got " +
+                            std::to_string(world));
+  }
+  if (top_k < 1) return invalid_argument(fn + "top_k must be >= 1, got " + std::to_string(top_k));
+  if (hidden <= 0 || hidden % kBf16PerVec) {
+    return invalid_argument(fn + "hidden size " + std::to_string(hidden) + " must be a positive multiple of 8");
+  }
+  return MEGAMOE_OK;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+}  // namespace megamoe
+
+extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world,
+                                           void* pool, const int32_t* slot_to_route, const int32_t* num_blocks,
+                                           int64_t max_blocks, int32_t top_k, int32_t hidden, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_dispatch_peers_bf16: ";
+  if (int s = check_world(fn, world, top_k, hidden); s != MEGAMOE_OK) return s;
+  if (max_blocks < 0) return invalid_argument(fn + "max_blocks must be >= 0");
+  if (x_peers == nullptr || route_offsets == nullptr || pool == nullptr || slot_to_route == nullptr ||
+      num_blocks == nullptr) {
+    return invalid_argument(fn + "x_peers, route_offsets, pool, slot_to_route and num_blocks must be non-null");
+  }
+  DispatchPeers peers{};
+  peers.world = world;
+  for (int r = 0; r <= world; ++r) {
+    peers.route_offsets[r] = route_offsets[r];
+    if (r > 0 && (route_offsets[r] < route_offsets[r - 1] || (route_offsets[r] - route_offsets[r - 1]) % top_k)) {
+      return invalid_argument(fn + "route_offsets must ascend by multiples of top_k (each rank's T * K routes)");
+    }
+  }
+  if (route_offsets[0] != 0) return invalid_argument(fn + "route_offsets[0] must be 0");
+  for (int r = 0; r < world; ++r) {
+    if (!aligned16(x_peers[r]) || (x_peers[r] == nullptr && route_offsets[r + 1] > route_offsets[r])) {
+      return invalid_argument(fn + "x_peers[" + std::to_string(r) + "] must be 16-byte aligned and non-null "
+                                   "when that rank has tokens");
+    }
+    peers.x[r] = static_cast<const Bf16x8*>(x_peers[r]);
+  }
+  if (!aligned16(pool)) return invalid_argument(fn + "pool must be 16-byte aligned");
+  const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
+  if (max_rows == 0) return MEGAMOE_OK;
+  const int grid = grid_for(max_rows);
+  if (grid == 0) return cuda_status(cudaGetLastError(), "megamoe_dispatch_peers_bf16: device query");
+  dispatch_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      peers, static_cast<Bf16x8*>(pool), slot_to_route, num_blocks, max_rows, top_k, hidden / kBf16PerVec);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
+
+extern "C" int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers,
+                                          int32_t world, const float* topk_weights, int64_t route_offset, void* y,
+                                          int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_combine_peers_bf16: ";
+  if (int s = check_world(fn, world, top_k, hidden); s != MEGAMOE_OK) return s;
+  if (num_tokens < 0 || route_offset < 0) return invalid_argument(fn + "num_tokens and route_offset must be >= 0");
+  if (num_tokens == 0) return MEGAMOE_OK;
+  if (out_peers == nullptr || route_to_slot_peers == nullptr || topk_weights == nullptr || y == nullptr) {
+    return invalid_argument(fn + "out_peers, route_to_slot_peers, topk_weights and y must be non-null");
+  }
+  CombinePeers peers{};
+  peers.world = world;
+  for (int d = 0; d < world; ++d) {
+    if (out_peers[d] == nullptr || route_to_slot_peers[d] == nullptr || !aligned16(out_peers[d])) {
+      return invalid_argument(fn + "out_peers[" + std::to_string(d) + "] and route_to_slot_peers[" +
+                              std::to_string(d) + "] must be non-null, out_peers 16-byte aligned");
+    }
+    peers.out[d] = static_cast<const Bf16x8*>(out_peers[d]);
+    peers.route_to_slot[d] = route_to_slot_peers[d];
+  }
+  if (!aligned16(y)) return invalid_argument(fn + "y must be 16-byte aligned");
+  const int grid = grid_for(num_tokens);
+  if (grid == 0) return cuda_status(cudaGetLastError(), "megamoe_combine_peers_bf16: device query");
+  combine_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      peers, topk_weights, route_offset, static_cast<Bf16x8*>(y), num_tokens, top_k, hidden / kBf16PerVec);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
