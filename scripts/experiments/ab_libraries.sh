@@ -6,14 +6,7 @@
 set -u
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift
 bench_args=${*:-"--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd --warmup 2 --repeat 10 --budget 0.5"}
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-for n in "${names[@]}"; do
-  [ -f /tmp/b_$n/libmegamoe.so ] && continue
-  mkdir -p /tmp/src_$n && tar -xzf scratch/$n.tgz -C /tmp/src_$n
-  (PYTHONPATH=/tmp/site cmake -S /tmp/src_$n -B /tmp/b_$n -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_TESTS=OFF >/dev/null &&
-   cmake --build /tmp/b_$n -j 16 --target megamoe 2>&1 | grep -E "rror") &
-done
-wait
+bash "$(dirname "$0")/build_libraries.sh" "${names[@]}"
 for round in 1 2; do
   for n in "${names[@]}"; do
     echo "== $n (round $round)"
