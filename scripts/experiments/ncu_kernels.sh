@@ -1,0 +1,13 @@
+# Nsight Compute's view of chosen kernels inside the fused layer's forward + backward, on the GPU
+# machine: SM clock under load, SM (tensor) / L2 / DRAM throughput, warp stall reasons. Clocks are
+# left as they are (--clock-control none): the H200 runs these GEMMs at 1.46-1.55 GHz (power limit).
+#   bash scripts/experiments/ncu_kernels.sh <kernel name regex> <preset> [launches, default 2]
+#   e.g. ... WeightGrad qwen3-235b-a22b      (the two weight-gradient launches of the first iteration)
+# Uses the library of the build directory, or MEGAMOE_LIBRARY with the matching PYTHONPATH.
+set -u
+regex=$1 preset=$2 count=${3:-2}
+ncu --clock-control none -k "regex:$regex" -c "$count" --section SpeedOfLight --section WarpStateStats \
+  --section SchedulerStats --section MemoryWorkloadAnalysis \
+  --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+  python3 -m megamoe.bench --preset "$preset" --tokens 16384 --backends fused --modes fwdbwd --warmup 1 \
+  --repeat 3 --budget 0 --out /tmp/ncu_bench
