@@ -84,7 +84,9 @@ int megamoe_combine_bf16(const void* routed, const float* topk_weights, const in
 // virtual ranks on one GPU.
 // dispatch_peers (on the experts' owner): pool rows of the live blocks: row s = x_peers[r][t] for its
 //           route (r, t, k) = slot_to_route[s], zeros on padding rows; rows past the live blocks
-//           untouched. x_peers[r] [T_r, hidden] bf16.
+//           untouched. x_peers[r] [T_r, hidden] bf16. weights_peers (host array of W device pointers
+//           to each rank's topk_weights [T_r, K] fp32) and weights_pool [pool rows] fp32: both null,
+//           or weights_pool[s] = the route's weight the same way (0 on padding rows).
 // combine_peers (on the tokens' rank): y[t] = Σ_k topk_weights[t, k] · out_peers[d][slot] where d is
 //           the rank whose plan gives global route route_offset + t * K + k a slot
 //           (route_to_slot_peers[d][route] >= 0; none: the route is masked and adds nothing), in
@@ -95,7 +97,8 @@ int megamoe_combine_bf16(const void* routed, const float* topk_weights, const in
 
 int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world, void* pool,
                                 const int32_t* slot_to_route, const int32_t* num_blocks, int64_t max_blocks,
-                                int32_t top_k, int32_t hidden, void* stream);
+                                int32_t top_k, int32_t hidden, const float* const* weights_peers,
+                                float* weights_pool, void* stream);
 int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers, int32_t world,
                                const float* topk_weights, int64_t route_offset, void* y, int64_t num_tokens,
                                int32_t top_k, int32_t hidden, void* stream);
