@@ -14,6 +14,7 @@ extern "C" {
 #define MEGAMOE_OK 0
 #define MEGAMOE_ERROR_INVALID_ARGUMENT 1
 #define MEGAMOE_ERROR_CUDA 2
+#define MEGAMOE_ERROR_TIMEOUT 3  // a peer rank did not arrive in time (megamoe_barrier_check)
 
 // Rows of the expert-major pool are grouped in blocks of this many; each expert is padded to it.
 #define MEGAMOE_BLOCK_M 128
@@ -102,6 +103,21 @@ int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route
 int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers, int32_t world,
                                const float* topk_weights, int64_t route_offset, void* y, int64_t num_tokens,
                                int32_t top_k, int32_t hidden, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Barrier across the W ranks of an expert-parallel group, with a timeout. Each rank owns an int32
+// signal array [W], zero before the first call, in memory all ranks can write (symmetric memory;
+// buffers of one device for virtual ranks); signal_peers (host array of W device pointers) holds
+// every rank's array. megamoe_barrier stores epoch into every rank's signal for `rank`, then waits
+// until every rank's signal in its own array reaches epoch: epochs start at 1 and grow by call. It
+// never hangs: after timeout_ns it stops waiting and status (device int32 [2]) says {phase, 1 + the
+// first rank that did not arrive}; {0, 0} when all did. After synchronising, megamoe_barrier_check
+// on a host copy of status returns MEGAMOE_OK or MEGAMOE_ERROR_TIMEOUT with a message naming the
+// rank and the phase (phase >= 1 numbers the caller's phases: dispatch, combine, ...).
+// ---------------------------------------------------------------------------------------------
+int megamoe_barrier(void* const* signal_peers, int32_t world, int32_t rank, int32_t epoch, int32_t phase,
+                    int64_t timeout_ns, int32_t* status, void* stream);
+int megamoe_barrier_check(const int32_t* status, int32_t rank, int64_t timeout_ns);
 
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).
