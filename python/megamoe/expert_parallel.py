@@ -15,8 +15,9 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
 Here the phases run one after another over the ranks on one stream, which stands in for the
 barriers real ranks need between phases, and the peer tables point at buffers of one device where
 real ranks would pass symmetric memory of their peers. That checks the protocol and the kernels on
-one GPU; megamoe.moe(group=...) over a process group is not wired to it yet (it raises), and this
-path has no backward yet.
+one GPU; megamoe.moe(group=...) over a process group is not wired to it yet (it raises).
+backward_virtual_ranks is the backward of the same data path (owners pull dy and p, run the
+single-rank backward kernels on their pools, ranks pull dx rows and dp values back).
 """
 
 from __future__ import annotations
@@ -63,48 +64,139 @@ def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
     check_fused_support(xs[0], w13_shape[2], w13_shape[1] // 2)
 
 
+class _Ranks:
+    """The W ranks' shared view: global route numbering, every owner's plan over all routes, and
+    the peer tables the pull kernels take."""
+
+    def __init__(self, xs, topk_ids, w13s):
+        self.world, (self.num_local, two_i, self.hidden) = len(xs), w13s[0].shape
+        self.inter, self.top_k = two_i // 2, topk_ids[0].shape[1]
+        self.num_experts = self.world * self.num_local
+        self.lib, self.stream = _native.library(), torch.cuda.current_stream(xs[0].device).cuda_stream
+        self.route_offsets = list(itertools.accumulate((x.shape[0] * self.top_k for x in xs), initial=0))
+        ids_all = torch.cat([ids.to(torch.int32) for ids in topk_ids]).contiguous()  # the metadata all-gather
+        self.plans = [build_routing(ids_all, self.num_experts, d * self.num_local, self.num_local)
+                      for d in range(self.world)]
+        self.offsets = (ctypes.c_int64 * (self.world + 1))(*self.route_offsets)
+
+    def table(self, tensors):
+        return (ctypes.c_void_p * self.world)(*(t.data_ptr() for t in tensors))
+
+    def pull_rows(self, d, rows, weights=None):
+        """Owner d's pool of the ranks' `rows` [T_r, H] (and, with weights [T_r, K], each pool row's weight)."""
+        plan = self.plans[d]
+        max_blocks = plan.block_expert.numel()
+        pool = rows[0].new_empty(max_blocks * _native.BLOCK_M, self.hidden)
+        weights_pool = None if weights is None else torch.empty(pool.shape[0], dtype=torch.float32,
+                                                                device=pool.device)
+        _native.check(self.lib.megamoe_dispatch_peers_bf16(
+            self.table(rows), self.offsets, self.world, pool.data_ptr(), plan.slot_to_route.data_ptr(),
+            plan.num_blocks.data_ptr(), max_blocks, self.top_k, self.hidden,
+            None if weights is None else self.table(weights),
+            None if weights is None else weights_pool.data_ptr(), self.stream), f"expert-parallel dispatch to rank {d}")
+        return pool if weights is None else (pool, weights_pool)
+
+    def combine(self, r, x, out_pools, weights):
+        """Rank r's [T_r, H] = Σ_k weights[t, k] · (its route's row in its expert owner's out pool)."""
+        y = torch.empty_like(x)
+        weights = weights.to(torch.float32).contiguous()
+        _native.check(self.lib.megamoe_combine_peers_bf16(
+            self.table(out_pools), self.table([plan.route_to_slot for plan in self.plans]), self.world,
+            weights.data_ptr(), self.route_offsets[r], y.data_ptr(), x.shape[0], self.top_k, self.hidden,
+            self.stream), f"expert-parallel combine on rank {r}")
+        return y
+
+    def raise_on_bad_ids(self):
+        invalid = int(self.plans[0].num_invalid)  # every plan counts the same ids outside [-1, E)
+        if invalid:
+            raise ValueError(id_range_message(self.num_experts, f"{invalid} ids outside it"))
+
+
 def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.Tensor]:
     """[y_r for each rank]: the MoE layer's forward with rank r's tokens (xs[r], topk_ids[r] global
     expert ids, -1 masked, topk_weights[r]) and rank r owning experts [r E/W, (r + 1) E/W) (w13s[r],
     w2s[r]), through the pull-model kernels and peer tables of expert parallelism."""
     _check(xs, topk_ids, topk_weights, w13s, w2s)
-    world, (num_local, two_i, hidden) = len(xs), w13s[0].shape
-    num_experts, top_k = world * num_local, topk_ids[0].shape[1]
-    lib, stream = _native.library(), torch.cuda.current_stream(xs[0].device).cuda_stream
-    route_offsets = list(itertools.accumulate((x.shape[0] * top_k for x in xs), initial=0))
-    if route_offsets[-1] == 0:
+    if sum(x.shape[0] for x in xs) == 0:
         return [torch.empty_like(x) for x in xs]
-    ids_all = torch.cat([ids.to(torch.int32) for ids in topk_ids]).contiguous()  # the metadata all-gather
-
-    plans = [build_routing(ids_all, num_experts, d * num_local, num_local) for d in range(world)]
-    x_table = (ctypes.c_void_p * world)(*(x.data_ptr() for x in xs))
-    offsets = (ctypes.c_int64 * (world + 1))(*route_offsets)
+    ranks = _Ranks(xs, topk_ids, w13s)
     outs = []
-    for d, plan in enumerate(plans):
-        max_blocks = plan.block_expert.numel()
-        pool = xs[0].new_empty(max_blocks * _native.BLOCK_M, hidden)
-        _native.check(lib.megamoe_dispatch_peers_bf16(
-            x_table, offsets, world, pool.data_ptr(), plan.slot_to_route.data_ptr(), plan.num_blocks.data_ptr(),
-            max_blocks, top_k, hidden, stream), f"expert-parallel dispatch to rank {d}")
-        h = xs[0].new_empty(pool.shape[0], two_i // 2)
-        _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
+    for d, plan in enumerate(ranks.plans):
+        pool = ranks.pull_rows(d, xs)
+        h = pool.new_empty(pool.shape[0], ranks.inter)
+        _native.check(ranks.lib.megamoe_grouped_gemm_swiglu_bf16(
             pool.data_ptr(), w13s[d].data_ptr(), h.data_ptr(), None, plan.block_expert.data_ptr(),
-            plan.num_blocks.data_ptr(), max_blocks, two_i // 2, hidden, num_local, stream),
-            f"expert-parallel GEMM1 on rank {d}")
+            plan.num_blocks.data_ptr(), plan.block_expert.numel(), ranks.inter, ranks.hidden, ranks.num_local,
+            ranks.stream), f"expert-parallel GEMM1 on rank {d}")
         del pool
         outs.append(grouped_gemm(h, w2s[d], plan))
-
-    out_table = (ctypes.c_void_p * world)(*(o.data_ptr() for o in outs))
-    slot_table = (ctypes.c_void_p * world)(*(plan.route_to_slot.data_ptr() for plan in plans))
-    ys = []
-    for r, x in enumerate(xs):
-        y = torch.empty_like(x)
-        weights = topk_weights[r].to(torch.float32).contiguous()
-        _native.check(lib.megamoe_combine_peers_bf16(
-            out_table, slot_table, world, weights.data_ptr(), route_offsets[r], y.data_ptr(), x.shape[0], top_k,
-            hidden, stream), f"expert-parallel combine on rank {r}")
-        ys.append(y)
-    invalid = int(plans[0].num_invalid)  # every plan counts the same ids outside [-1, E)
-    if invalid:
-        raise ValueError(id_range_message(num_experts, f"{invalid} ids outside it"))
+    ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
+    ranks.raise_on_bad_ids()
     return ys
+
+
+def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
+    """(dxs, d topk_weights, dw13s, dw2s), one entry per rank: the backward of forward_virtual_ranks
+    for output gradients dys[r] [T_r, H]. Each expert's owner pulls x, dy and p, recomputes z, and
+    runs the single-rank backward kernels on its pool (dh with the SwiGLU backward, dx per route in
+    pool order, the weight gradients of its own experts, dp of the routes it owns); then every rank
+    pulls its routes' dx rows and dp values from their owners. dp is pulled by adding the owners'
+    per-route dp vectors, in which every other owner holds 0 for that route (exact)."""
+    if len(dys) != len(xs):
+        raise ValueError(f"dys needs one entry per rank ({len(xs)}), got {len(dys)}")
+    for r, (dy, x) in enumerate(zip(dys, xs)):
+        if dy.shape != x.shape or dy.dtype != torch.bfloat16 or dy.device != x.device:
+            raise ValueError(f"dy of rank {r} must be a bfloat16 tensor shaped like its x {tuple(x.shape)} "
+                             f"on {x.device}, got {dy.dtype} {tuple(dy.shape)} on {dy.device}")
+    _check(xs, topk_ids, topk_weights, w13s, w2s)
+    if sum(x.shape[0] for x in xs) == 0:
+        return ([torch.zeros_like(x) for x in xs], [torch.zeros_like(w) for w in topk_weights],
+                [torch.zeros_like(w) for w in w13s], [torch.zeros_like(w) for w in w2s])
+    ranks = _Ranks(xs, topk_ids, w13s)
+    lib, stream, inter, hidden = ranks.lib, ranks.stream, ranks.inter, ranks.hidden
+    dys = [dy.contiguous() for dy in dys]
+    weights = [w.to(torch.float32).contiguous() for w in topk_weights]
+    dx_pools, dps, dw13s, dw2s = [], [], [], []
+    for d, plan in enumerate(ranks.plans):
+        max_blocks = plan.block_expert.numel()
+        x_pool = ranks.pull_rows(d, xs)
+        dy_pool, p_pool = ranks.pull_rows(d, dys, weights)
+        z = grouped_gemm(x_pool, w13s[d], plan)
+        rows = x_pool.shape[0]
+        dz, hp = x_pool.new_empty(rows, 2 * inter), x_pool.new_empty(rows, inter)
+        dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=x_pool.device)
+        _native.check(lib.megamoe_grouped_gemm_swiglu_backward_bf16(
+            dy_pool.data_ptr(), w2s[d].data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(), hp.data_ptr(),
+            dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), max_blocks, inter,
+            hidden, ranks.num_local, stream), f"expert-parallel dh on rank {d}")
+        del z
+        dp = torch.empty(ranks.route_offsets[-1], dtype=torch.float32, device=x_pool.device)
+        _native.check(lib.megamoe_dp_reduce(
+            dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), dp.numel(), inter, max_blocks,
+            stream), f"expert-parallel dp on rank {d}")
+        dps.append(dp)
+        # dx per route in pool order: the scatter GEMM with row s going to row s.
+        dx_pool = x_pool.new_empty(rows, hidden)
+        in_place = torch.arange(rows, dtype=torch.int32, device=x_pool.device)
+        _native.check(lib.megamoe_grouped_gemm_scatter_mn_bf16(
+            dz.data_ptr(), w13s[d].data_ptr(), dx_pool.data_ptr(), in_place.data_ptr(), plan.block_expert.data_ptr(),
+            plan.num_blocks.data_ptr(), max_blocks, hidden, 2 * inter, ranks.num_local, rows, stream),
+            f"expert-parallel dx on rank {d}")
+        dx_pools.append(dx_pool)
+        grads = []
+        for a, b, w in ((dz, x_pool, w13s[d]), (dy_pool, hp, w2s[d])):
+            out = torch.empty_like(w)
+            _native.check(lib.megamoe_grouped_weight_grad_bf16(
+                a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(),
+                plan.expert_counts.data_ptr(), max_blocks, ranks.num_local, out.shape[1], out.shape[2], 0, 0, stream),
+                f"expert-parallel weight gradient on rank {d}")
+            grads.append(out)
+        dw13s.append(grads[0])
+        dw2s.append(grads[1])
+    ones = [torch.ones_like(w) for w in weights]
+    dxs = [ranks.combine(r, x, dx_pools, ones[r]) for r, x in enumerate(xs)]
+    dp_all = torch.stack(dps).sum(0)
+    dweights = [dp_all[ranks.route_offsets[r]:ranks.route_offsets[r + 1]].view(topk_weights[r].shape)
+                .to(topk_weights[r].dtype) for r in range(ranks.world)]
+    ranks.raise_on_bad_ids()
+    return dxs, dweights, dw13s, dw2s

@@ -3,10 +3,11 @@
 # left as they are (--clock-control none): the H200 runs these GEMMs at 1.46-1.55 GHz (power limit).
 #   bash scripts/experiments/ncu_kernels.sh <kernel name regex> <preset> [launches, default 2]
 #   e.g. ... WeightGrad qwen3-235b-a22b      (the two weight-gradient launches of the first iteration)
+# The regex matches the demangled name (template arguments included: the epilogue policy names the GEMM).
 # Uses the library of the build directory, or MEGAMOE_LIBRARY with the matching PYTHONPATH.
 set -u
 regex=$1 preset=$2 count=${3:-2}
-ncu --clock-control none -k "regex:$regex" -c "$count" --section SpeedOfLight --section WarpStateStats \
+ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" -c "$count" --section SpeedOfLight --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis \
   --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
   python3 -m megamoe.bench --preset "$preset" --tokens 16384 --backends fused --modes fwdbwd --warmup 1 \

@@ -164,22 +164,36 @@ TEST(PeersValidation, RejectsBadArguments) {
   int32_t ints[8] = {};
   const void* x[2] = {buf, buf};
   const int64_t offsets[3] = {0, 8, 12};  // K = 4: 2 tokens on rank 0, 1 on rank 1
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 0, buf, ints, ints, 1, 4, 64, nullptr), "world must be in");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, MEGAMOE_MAX_PEERS + 1, buf, ints, ints, 1, 4, 64, nullptr),
+  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 0, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
                   "world must be in");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 3, 64, nullptr),
+  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, MEGAMOE_MAX_PEERS + 1, buf, ints, ints, 1, 4, 64, nullptr,
+                                              nullptr, nullptr),
+                  "world must be in");
+  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 3, 64, nullptr, nullptr, nullptr),
                   "ascend by multiples of top_k");
   const int64_t descending[3] = {0, 8, 4};
-  expect_rejected(megamoe_dispatch_peers_bf16(x, descending, 2, buf, ints, ints, 1, 4, 64, nullptr),
+  expect_rejected(megamoe_dispatch_peers_bf16(x, descending, 2, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
                   "ascend by multiples of top_k");
   const void* missing[2] = {buf, nullptr};
-  expect_rejected(megamoe_dispatch_peers_bf16(missing, offsets, 2, buf, ints, ints, 1, 4, 64, nullptr),
-                  "x_peers[1] must be 16-byte aligned and non-null");
+  expect_rejected(
+      megamoe_dispatch_peers_bf16(missing, offsets, 2, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
+      "x_peers[1] must be 16-byte aligned and non-null");
   const int64_t empty_rank1[3] = {0, 8, 8};  // rank 1 has no tokens: its x may be null
-  EXPECT_EQ(megamoe_dispatch_peers_bf16(missing, empty_rank1, 2, buf, ints, ints, 0, 4, 64, nullptr), MEGAMOE_OK)
+  EXPECT_EQ(megamoe_dispatch_peers_bf16(missing, empty_rank1, 2, buf, ints, ints, 0, 4, 64, nullptr, nullptr, nullptr),
+            MEGAMOE_OK)
       << megamoe_last_error();
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 60, nullptr), "multiple of 8");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, nullptr, ints, ints, 1, 4, 64, nullptr), "non-null");
+  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 60, nullptr, nullptr, nullptr),
+                  "multiple of 8");
+  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, nullptr, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
+                  "non-null");
+  const float* weights_peers[2] = {reinterpret_cast<const float*>(ints), nullptr};
+  auto* weights_pool = reinterpret_cast<float*>(ints);
+  expect_rejected(
+      megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 64, weights_peers, nullptr, nullptr),
+      "go together");
+  expect_rejected(
+      megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 64, weights_peers, weights_pool, nullptr),
+      "weights_peers[1] must be non-null");
 
   const int32_t* slots[2] = {ints, ints};
   const auto* weights = reinterpret_cast<const float*>(ints);

@@ -1,13 +1,14 @@
 """Expert parallelism's data path on W virtual ranks of one GPU (megamoe.expert_parallel): the same
-layer split over ranks gives bit for bit what one rank holding every expert gives, and both match
-the fp64 reference."""
+layer split over ranks gives, forward and backward, bit for bit what one rank holding every expert
+gives (which the fused tests hold against the fp64 reference; the forward is checked against it here
+too)."""
 
 import pytest
 import torch
 
 from conftest import requires_cuda
 from megamoe import expert_parallel
-from megamoe.fused import fused_moe_forward
+from megamoe.fused import fused_moe_backward, fused_moe_forward
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import make_routing
 
@@ -46,6 +47,23 @@ def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts):
     assert relative_error(y_all.double(), reference_moe(*whole)) <= 1e-2
 
 
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("tokens_per_rank,num_experts", [([300, 200], 8), ([257, 0, 64, 1], 16)])
+def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_experts):
+    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
+    dy = torch.randn_like(whole[0])
+    dxs, dweights, dw13s, dw2s = expert_parallel.backward_virtual_ranks(
+        list(dy.split(tokens_per_rank)), xs, ids, weights, w13s, w2s)
+    empty = whole[0].new_empty(0)
+    dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, empty, empty, whole[1].new_empty(0), True, True, True, True,
+                                                None, None)
+    assert torch.equal(torch.cat(dxs), dx)
+    assert torch.equal(torch.cat(dweights), dweight)
+    assert torch.equal(torch.cat(dw13s), dw13)
+    assert torch.equal(torch.cat(dw2s), dw2)
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.__setitem__("xs", a["xs"] * 9), "1 to 8 ranks"),
     (lambda a: a.__setitem__("w2s", a["w2s"][:1]), "one entry per rank"),
@@ -59,6 +77,13 @@ def test_rejects_inconsistent_ranks(mutate, match):
     mutate(args)
     with pytest.raises((ValueError, TypeError), match=match):
         expert_parallel.forward_virtual_ranks(**args)
+
+
+def test_backward_rejects_a_mismatched_dy():
+    xs, ids, weights, w13s, w2s, _ = _problem([6, 5], 4, "cpu")
+    dys = [xs[0], xs[1][:2]]
+    with pytest.raises(ValueError, match="dy of rank 1 must be"):
+        expert_parallel.backward_virtual_ranks(dys, xs, ids, weights, w13s, w2s)
 
 
 def test_cpu_tensors_are_refused_with_the_alternative():

@@ -14,6 +14,7 @@ extern "C" {
 #define MEGAMOE_OK 0
 #define MEGAMOE_ERROR_INVALID_ARGUMENT 1
 #define MEGAMOE_ERROR_CUDA 2
+#define MEGAMOE_ERROR_TIMEOUT 3  // a peer rank did not arrive in time (megamoe_barrier_check)
 
 // Rows of the expert-major pool are grouped in blocks of this many; each expert is padded to it.
 #define MEGAMOE_BLOCK_M 128
@@ -84,7 +85,9 @@ int megamoe_combine_bf16(const void* routed, const float* topk_weights, const in
 // virtual ranks on one GPU.
 // dispatch_peers (on the experts' owner): pool rows of the live blocks: row s = x_peers[r][t] for its
 //           route (r, t, k) = slot_to_route[s], zeros on padding rows; rows past the live blocks
-//           untouched. x_peers[r] [T_r, hidden] bf16.
+//           untouched. x_peers[r] [T_r, hidden] bf16. weights_peers (host array of W device pointers
+//           to each rank's topk_weights [T_r, K] fp32) and weights_pool [pool rows] fp32: both null,
+//           or weights_pool[s] = the route's weight the same way (0 on padding rows).
 // combine_peers (on the tokens' rank): y[t] = Σ_k topk_weights[t, k] · out_peers[d][slot] where d is
 //           the rank whose plan gives global route route_offset + t * K + k a slot
 //           (route_to_slot_peers[d][route] >= 0; none: the route is masked and adds nothing), in
@@ -95,10 +98,26 @@ int megamoe_combine_bf16(const void* routed, const float* topk_weights, const in
 
 int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world, void* pool,
                                 const int32_t* slot_to_route, const int32_t* num_blocks, int64_t max_blocks,
-                                int32_t top_k, int32_t hidden, void* stream);
+                                int32_t top_k, int32_t hidden, const float* const* weights_peers,
+                                float* weights_pool, void* stream);
 int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers, int32_t world,
                                const float* topk_weights, int64_t route_offset, void* y, int64_t num_tokens,
                                int32_t top_k, int32_t hidden, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Barrier across the W ranks of an expert-parallel group, with a timeout. Each rank owns an int32
+// signal array [W], zero before the first call, in memory all ranks can write (symmetric memory;
+// buffers of one device for virtual ranks); signal_peers (host array of W device pointers) holds
+// every rank's array. megamoe_barrier stores epoch into every rank's signal for `rank`, then waits
+// until every rank's signal in its own array reaches epoch: epochs start at 1 and grow by call. It
+// never hangs: after timeout_ns it stops waiting and status (device int32 [2]) says {phase, 1 + the
+// first rank that did not arrive}; {0, 0} when all did. After synchronising, megamoe_barrier_check
+// on a host copy of status returns MEGAMOE_OK or MEGAMOE_ERROR_TIMEOUT with a message naming the
+// rank and the phase (phase >= 1 numbers the caller's phases: dispatch, combine, ...).
+// ---------------------------------------------------------------------------------------------
+int megamoe_barrier(void* const* signal_peers, int32_t world, int32_t rank, int32_t epoch, int32_t phase,
+                    int64_t timeout_ns, int32_t* status, void* stream);
+int megamoe_barrier_check(const int32_t* status, int32_t rank, int64_t timeout_ns);
 
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).

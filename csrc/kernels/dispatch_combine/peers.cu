@@ -8,7 +8,8 @@
 // own experts, so its pool holds rows from all ranks and its route_to_slot tells, for any route,
 // where in this rank's pool the route's row is (or -1).
 //   dispatch (on the experts' owner): pool row s of a live block = x_r[t] for its route (r, t, k),
-//            zeros on padding rows; one warp per row, in pool order.
+//            zeros on padding rows; one warp per row, in pool order. With weights, also the route's
+//            topk weight per pool row (0 on padding rows): the backward's p.
 //   combine (on the tokens' rank): y[t] = Σ_k p[t, k] · out_d[slot_d(route)] over the one rank d
 //            whose plan gives the route a slot, ascending k, fp32, rounded once: the same sums as
 //            megamoe_combine_bf16, so W ranks give bit for bit the result of one.
@@ -24,6 +25,7 @@ constexpr int kWarpsPerCta = 8;
 
 struct DispatchPeers {
   const Bf16x8* x[MEGAMOE_MAX_PEERS];
+  const float* weights[MEGAMOE_MAX_PEERS];  // all null, or each rank's topk weights [T_r, K]
   int64_t route_offsets[MEGAMOE_MAX_PEERS + 1];
   int32_t world;
 };
@@ -36,20 +38,24 @@ struct CombinePeers {
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_peer_rows(const __grid_constant__ DispatchPeers peers, Bf16x8* __restrict__ pool,
-                   const int32_t* __restrict__ slot_to_route, const int32_t* __restrict__ num_blocks,
-                   int64_t max_rows, int32_t top_k, int32_t vecs_per_row) {
+                   float* __restrict__ weights_pool, const int32_t* __restrict__ slot_to_route,
+                   const int32_t* __restrict__ num_blocks, int64_t max_rows, int32_t top_k, int32_t vecs_per_row) {
   const int lane = threadIdx.x % 32;
   const int64_t live_rows = std::min<int64_t>(int64_t(*num_blocks) * MEGAMOE_BLOCK_M, max_rows);
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
   for (int64_t row = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; row < live_rows; row += warps) {
     const int64_t route = slot_to_route[row];
     const Bf16x8* src = nullptr;
+    float weight = 0.f;
     for (int r = 0; r < peers.world && route >= 0; ++r) {
       if (route < peers.route_offsets[r + 1]) {
-        src = peers.x[r] + (route - peers.route_offsets[r]) / top_k * vecs_per_row;
+        const int64_t local_route = route - peers.route_offsets[r];
+        src = peers.x[r] + local_route / top_k * vecs_per_row;
+        if (weights_pool != nullptr) weight = peers.weights[r][local_route];
         break;
       }
     }
+    if (weights_pool != nullptr && lane == 0) weights_pool[row] = weight;
     Bf16x8* dst = pool + row * vecs_per_row;
     for (int c = lane; c < vecs_per_row; c += 32) dst[c] = src != nullptr ? src[c] : Bf16x8{};
   }
@@ -106,7 +112,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world,
                                            void* pool, const int32_t* slot_to_route, const int32_t* num_blocks,
-                                           int64_t max_blocks, int32_t top_k, int32_t hidden, void* stream) {
+                                           int64_t max_blocks, int32_t top_k, int32_t hidden,
+                                           const float* const* weights_peers, float* weights_pool, void* stream) {
   using namespace megamoe;
   const std::string fn = "megamoe_dispatch_peers_bf16: ";
   if (int s = check_world(fn, world, top_k, hidden); s != MEGAMOE_OK) return s;
@@ -124,8 +131,19 @@ extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int
     }
   }
   if (route_offsets[0] != 0) return invalid_argument(fn + "route_offsets[0] must be 0");
+  if ((weights_peers == nullptr) != (weights_pool == nullptr)) {
+    return invalid_argument(fn + "weights_peers and weights_pool go together (both null, or both set)");
+  }
   for (int r = 0; r < world; ++r) {
-    if (!aligned16(x_peers[r]) || (x_peers[r] == nullptr && route_offsets[r + 1] > route_offsets[r])) {
+    const bool has_tokens = route_offsets[r + 1] > route_offsets[r];
+    if (weights_peers != nullptr) {
+      if (weights_peers[r] == nullptr && has_tokens) {
+        return invalid_argument(fn + "weights_peers[" + std::to_string(r) + "] must be non-null when that rank "
+                                     "has tokens");
+      }
+      peers.weights[r] = weights_peers[r];
+    }
+    if (!aligned16(x_peers[r]) || (x_peers[r] == nullptr && has_tokens)) {
       return invalid_argument(fn + "x_peers[" + std::to_string(r) + "] must be 16-byte aligned and non-null "
                                    "when that rank has tokens");
     }
@@ -137,7 +155,8 @@ extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int
   const int grid = grid_for(max_rows);
   if (grid == 0) return cuda_status(cudaGetLastError(), "megamoe_dispatch_peers_bf16: device query");
   dispatch_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      peers, static_cast<Bf16x8*>(pool), slot_to_route, num_blocks, max_rows, top_k, hidden / kBf16PerVec);
+      peers, static_cast<Bf16x8*>(pool), weights_pool, slot_to_route, num_blocks, max_rows, top_k,
+      hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

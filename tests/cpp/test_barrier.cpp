@@ -1,0 +1,92 @@
+// The expert-parallel barrier on W virtual ranks of one GPU: every rank's kernel on its own stream,
+// so they run at the same time as real ranks would; a rank that never arrives turns into a timeout
+// status naming it, not a hang.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "gemm_test_util.h"
+#include "megamoe/megamoe.h"
+#include "status_util.h"
+
+namespace {
+
+using megamoe_test::cuda_devices;
+using megamoe_test::DeviceBuffer;
+
+constexpr int64_t kSecond = 1000000000;
+
+struct VirtualRanks {
+  explicit VirtualRanks(int world) : world(world), signals(world * world), status(world * 2), streams(world) {
+    EXPECT_EQ(cudaMemset(signals.ptr, 0, signals.count * sizeof(int32_t)), cudaSuccess);
+    for (int r = 0; r < world; ++r) {
+      peers.push_back(signals.ptr + r * world);
+      EXPECT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+    }
+  }
+  ~VirtualRanks() {
+    for (auto s : streams) cudaStreamDestroy(s);
+  }
+  // Rank r enters the barrier (its kernel queued on its own stream).
+  void enter(int r, int epoch, int phase, int64_t timeout_ns) {
+    ASSERT_EQ(megamoe_barrier(peers.data(), world, r, epoch, phase, timeout_ns, status.ptr + 2 * r, streams[r]),
+              MEGAMOE_OK)
+        << megamoe_last_error();
+  }
+  int world;
+  DeviceBuffer<int32_t> signals, status;
+  std::vector<void*> peers;
+  std::vector<cudaStream_t> streams;
+};
+
+TEST(Barrier, AllRanksArriveEpochAfterEpoch) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  VirtualRanks v(4);
+  for (int epoch = 1; epoch <= 3; ++epoch) {
+    for (int r = v.world - 1; r >= 0; --r) v.enter(r, epoch, 1, 10 * kSecond);  // the last rank first
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> status = v.status.download();
+    for (int r = 0; r < v.world; ++r) {
+      EXPECT_EQ(megamoe_barrier_check(status.data() + 2 * r, r, 10 * kSecond), MEGAMOE_OK)
+          << "epoch " << epoch << ": " << megamoe_last_error();
+    }
+  }
+}
+
+TEST(Barrier, MissingRankTimesOutWithItsName) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  VirtualRanks v(3);
+  const int64_t timeout = kSecond / 20;
+  v.enter(0, 1, 2, timeout);
+  v.enter(1, 1, 2, timeout);  // rank 2 never enters
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<int32_t> status = v.status.download();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(status[2 * r], 2) << "the phase";
+    EXPECT_EQ(status[2 * r + 1], 3) << "1 + the missing rank";
+    EXPECT_EQ(megamoe_barrier_check(status.data() + 2 * r, r, timeout), MEGAMOE_ERROR_TIMEOUT);
+    const std::string message = megamoe_last_error();
+    EXPECT_NE(message.find("barrier phase 2 and rank 2 did not arrive"), std::string::npos) << message;
+  }
+}
+
+// Argument checks run before any CUDA call (no GPU needed).
+TEST(BarrierValidation, RejectsBadArguments) {
+  int32_t signals[4] = {}, status[2] = {};
+  void* peers[2] = {signals, signals + 2};
+  void* missing[2] = {signals, nullptr};
+  expect_rejected(megamoe_barrier(peers, 0, 0, 1, 1, kSecond, status, nullptr), "world must be in");
+  expect_rejected(megamoe_barrier(peers, MEGAMOE_MAX_PEERS + 1, 0, 1, 1, kSecond, status, nullptr), "world must be in");
+  expect_rejected(megamoe_barrier(peers, 2, 2, 1, 1, kSecond, status, nullptr), "rank must be in [0, world)");
+  expect_rejected(megamoe_barrier(peers, 2, 0, 0, 1, kSecond, status, nullptr), "epoch must be >= 1");
+  expect_rejected(megamoe_barrier(peers, 2, 0, 1, 0, kSecond, status, nullptr), "phase must be >= 1");
+  expect_rejected(megamoe_barrier(peers, 2, 0, 1, 1, 0, status, nullptr), "timeout_ns must be > 0");
+  expect_rejected(megamoe_barrier(peers, 2, 0, 1, 1, kSecond, nullptr, nullptr), "must be non-null");
+  expect_rejected(megamoe_barrier(missing, 2, 0, 1, 1, kSecond, status, nullptr), "signal_peers[1] must be non-null");
+  const int32_t arrived[2] = {0, 0};
+  EXPECT_EQ(megamoe_barrier_check(arrived, 0, kSecond), MEGAMOE_OK);
+}
+
+}  // namespace
