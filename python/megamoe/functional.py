@@ -30,9 +30,9 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
             "runs precision='bf16' today")
     if problem.num_experts != problem.num_local_experts:
         raise NotImplementedError(
-            "expert parallelism over a process group is not wired in yet: its forward data path (pull "
-            "dispatch and combine over peer pointer tables) runs on virtual ranks of one GPU in "
-            "megamoe.expert_parallel; every backend runs all experts on one GPU today (pass group=None)")
+            "expert parallelism over a process group is not wired in yet: its data path (pull dispatch "
+            "and combine over peer pointer tables, forward and backward) runs on virtual ranks of one GPU "
+            "in megamoe.expert_parallel; every backend runs all experts on one GPU today (pass group=None)")
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
         return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute)
