@@ -38,7 +38,7 @@ __device__ __forceinline__ void combine_tokens(const RouteRow& route_row, const 
       for (int k = 0; k < top_k; ++k) {
         const int64_t route = t * top_k + k;
         const Bf16x8* row = route_row(route);
-        if (row != nullptr) add_scaled(acc, row[c], topk_weights[route]);
+        if (row != nullptr) add_scaled(acc, load_readonly(row + c), topk_weights[route]);
       }
       y[t * vecs_per_row + c] = round_to_bf16(acc);
     }
