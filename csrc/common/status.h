@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "megamoe/megamoe.h"
@@ -15,6 +16,8 @@ int set_error(int code, const std::string& message);
 inline int invalid_argument(const std::string& message) {
   return set_error(MEGAMOE_ERROR_INVALID_ARGUMENT, message);
 }
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 inline int cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return MEGAMOE_OK;

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace megamoe {
 
@@ -12,6 +13,16 @@ constexpr int kBf16PerVec = 8;
 struct alignas(16) Bf16x8 {
   __nv_bfloat162 pairs[4];
 };
+
+// One 16-byte read-only load (ld.global.nc.v4): the compiler cannot always prove that a Bf16x8
+// pointer chosen at run time is aligned, and then splits the load in four.
+__device__ __forceinline__ Bf16x8 load_readonly(const Bf16x8* p) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  Bf16x8 v;
+  static_assert(sizeof(v) == sizeof(raw), "16 bytes");
+  memcpy(&v, &raw, sizeof(v));
+  return v;
+}
 
 __device__ __forceinline__ void add_scaled(float (&acc)[kBf16PerVec], const Bf16x8& v, float scale) {
 #pragma unroll

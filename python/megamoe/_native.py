@@ -11,6 +11,8 @@ import functools
 import os
 from pathlib import Path
 
+import torch
+
 MEGAMOE_OK = 0
 BLOCK_M = 128
 MAX_PEERS = 8  # MEGAMOE_MAX_PEERS: ranks in one expert-parallel group
@@ -116,6 +118,11 @@ def library() -> ctypes.CDLL:
         f"megamoe's native library ({_LIBRARY_NAME}) was not found (searched: {searched}). "
         "Install the package with `pip install .`, or build it with `cmake -S . -B build && "
         "cmake --build build`, or point MEGAMOE_LIBRARY at the .so.")
+
+
+def stream(device: torch.device) -> int:
+    """The handle of the current CUDA stream of `device`, which every kernel of the core is queued on."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def check(status: int, what: str) -> None:

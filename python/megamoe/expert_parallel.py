@@ -29,7 +29,7 @@ import torch
 
 from . import _native
 from .fused import check_fused_support
-from .gemm import grouped_gemm
+from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
 from .routing import build_routing
 from .validation import id_range_message
 
@@ -72,7 +72,7 @@ class _Ranks:
         self.world, (self.num_local, two_i, self.hidden) = len(xs), w13s[0].shape
         self.inter, self.top_k = two_i // 2, topk_ids[0].shape[1]
         self.num_experts = self.world * self.num_local
-        self.lib, self.stream = _native.library(), torch.cuda.current_stream(xs[0].device).cuda_stream
+        self.lib, self.stream = _native.library(), _native.stream(xs[0].device)
         self.route_offsets = list(itertools.accumulate((x.shape[0] * self.top_k for x in xs), initial=0))
         ids_all = torch.cat([ids.to(torch.int32) for ids in topk_ids]).contiguous()  # the metadata all-gather
         self.plans = [build_routing(ids_all, self.num_experts, d * self.num_local, self.num_local)
@@ -122,13 +122,7 @@ def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.T
     ranks = _Ranks(xs, topk_ids, w13s)
     outs = []
     for d, plan in enumerate(ranks.plans):
-        pool = ranks.pull_rows(d, xs)
-        h = pool.new_empty(pool.shape[0], ranks.inter)
-        _native.check(ranks.lib.megamoe_grouped_gemm_swiglu_bf16(
-            pool.data_ptr(), w13s[d].data_ptr(), h.data_ptr(), None, plan.block_expert.data_ptr(),
-            plan.num_blocks.data_ptr(), plan.block_expert.numel(), ranks.inter, ranks.hidden, ranks.num_local,
-            ranks.stream), f"expert-parallel GEMM1 on rank {d}")
-        del pool
+        h = grouped_gemm_swiglu(ranks.pull_rows(d, xs), w13s[d], plan)
         outs.append(grouped_gemm(h, w2s[d], plan))
     ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
     ranks.raise_on_bad_ids()
@@ -153,46 +147,23 @@ def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
         return ([torch.zeros_like(x) for x in xs], [torch.zeros_like(w) for w in topk_weights],
                 [torch.zeros_like(w) for w in w13s], [torch.zeros_like(w) for w in w2s])
     ranks = _Ranks(xs, topk_ids, w13s)
-    lib, stream, inter, hidden = ranks.lib, ranks.stream, ranks.inter, ranks.hidden
     dys = [dy.contiguous() for dy in dys]
     weights = [w.to(torch.float32).contiguous() for w in topk_weights]
     dx_pools, dps, dw13s, dw2s = [], [], [], []
     for d, plan in enumerate(ranks.plans):
-        max_blocks = plan.block_expert.numel()
         x_pool = ranks.pull_rows(d, xs)
         dy_pool, p_pool = ranks.pull_rows(d, dys, weights)
-        z = grouped_gemm(x_pool, w13s[d], plan)
-        rows = x_pool.shape[0]
-        dz, hp = x_pool.new_empty(rows, 2 * inter), x_pool.new_empty(rows, inter)
-        dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=x_pool.device)
-        _native.check(lib.megamoe_grouped_gemm_swiglu_backward_bf16(
-            dy_pool.data_ptr(), w2s[d].data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(), hp.data_ptr(),
-            dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), max_blocks, inter,
-            hidden, ranks.num_local, stream), f"expert-parallel dh on rank {d}")
-        del z
-        dp = torch.empty(ranks.route_offsets[-1], dtype=torch.float32, device=x_pool.device)
-        _native.check(lib.megamoe_dp_reduce(
-            dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), dp.numel(), inter, max_blocks,
-            stream), f"expert-parallel dp on rank {d}")
-        dps.append(dp)
+        dz, hp, dp_partial = swiglu_backward(dy_pool, w2s[d], grouped_gemm(x_pool, w13s[d], plan), p_pool, plan)
+        dps.append(reduce_dp(dp_partial, plan, ranks.route_offsets[-1]))
         # dx per route in pool order: the scatter GEMM with row s going to row s.
-        dx_pool = x_pool.new_empty(rows, hidden)
-        in_place = torch.arange(rows, dtype=torch.int32, device=x_pool.device)
-        _native.check(lib.megamoe_grouped_gemm_scatter_mn_bf16(
-            dz.data_ptr(), w13s[d].data_ptr(), dx_pool.data_ptr(), in_place.data_ptr(), plan.block_expert.data_ptr(),
-            plan.num_blocks.data_ptr(), max_blocks, hidden, 2 * inter, ranks.num_local, rows, stream),
-            f"expert-parallel dx on rank {d}")
+        dx_pool = x_pool.new_empty(x_pool.shape)
+        in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)
+        grouped_gemm_scatter(dz, w13s[d], plan, in_place, dx_pool, b_is_k_by_n=True)
         dx_pools.append(dx_pool)
-        grads = []
-        for a, b, w in ((dz, x_pool, w13s[d]), (dy_pool, hp, w2s[d])):
-            out = torch.empty_like(w)
-            _native.check(lib.megamoe_grouped_weight_grad_bf16(
-                a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(),
-                plan.expert_counts.data_ptr(), max_blocks, ranks.num_local, out.shape[1], out.shape[2], 0, 0, stream),
-                f"expert-parallel weight gradient on rank {d}")
-            grads.append(out)
-        dw13s.append(grads[0])
-        dw2s.append(grads[1])
+        dw13s.append(torch.empty_like(w13s[d]))
+        dw2s.append(torch.empty_like(w2s[d]))
+        weight_grad(dz, x_pool, plan, dw13s[d])
+        weight_grad(dy_pool, hp, plan, dw2s[d])
     ones = [torch.ones_like(w) for w in weights]
     dxs = [ranks.combine(r, x, dx_pools, ones[r]) for r, x in enumerate(xs)]
     dp_all = torch.stack(dps).sum(0)

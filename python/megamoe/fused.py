@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from .gemm import grouped_gemm
+from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import id_range_message
 
@@ -42,10 +42,6 @@ def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None
         raise ValueError(
             f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (the GEMM tiles) and "
             f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
-
-
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 class _IdRangeCheck:
@@ -86,7 +82,7 @@ class _Pool:
         self.id_range = _IdRangeCheck(self.plan, num_local) if check_ids else None
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
-        self.stream = _stream(x)
+        self.stream = _native.stream(x.device)
         self.x = self.gather(x) if x_pool is None else x_pool
 
     def gather(self, token_rows: torch.Tensor, weights: torch.Tensor | None = None):
@@ -103,20 +99,17 @@ class _Pool:
             None if weights is None else weights_pool.data_ptr(), self.stream), "fused dispatch")
         return pool if weights is None else (pool, weights_pool)
 
-    def scatter_combine(self, gemm, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
-                        what: str) -> torch.Tensor:
+    def scatter_combine(self, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
+                        b_is_k_by_n: bool = False) -> torch.Tensor:
         """[T, H] = Σ_k weights[t, k] · (a · B[e])[slot of (t, k)]: a scatter-epilogue GEMM into
-        (token, k) rows (B = b[e]ᵀ or b[e] by the GEMM's layout), then the fixed-order combine."""
+        (token, k) rows (grouped_gemm_scatter), then the fixed-order combine."""
         routed = a.new_empty(self.num_tokens * self.top_k, hidden)
-        _native.check(gemm(
-            a.data_ptr(), b.data_ptr(), routed.data_ptr(), self.plan.slot_to_route.data_ptr(),
-            self.plan.block_expert.data_ptr(), self.plan.num_blocks.data_ptr(), self.max_blocks, hidden,
-            a.shape[1], b.shape[0], routed.shape[0], self.stream), what)
+        grouped_gemm_scatter(a, b, self.plan, self.plan.slot_to_route, routed, b_is_k_by_n)
         out = a.new_empty(self.num_tokens, hidden)
         weights = weights.to(torch.float32).contiguous()
         _native.check(_native.library().megamoe_combine_bf16(
             routed.data_ptr(), weights.data_ptr(), self.plan.route_to_slot.data_ptr(), out.data_ptr(),
-            self.num_tokens, self.top_k, hidden, self.stream), what + " combine")
+            self.num_tokens, self.top_k, hidden, self.stream), "combine")
         return out
 
 
@@ -130,20 +123,15 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
-    lib = _native.library()
     num_local, two_i, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local, check_ids=True)
-    h = x.new_empty(pool.rows, two_i // 2)
     if keep:
         x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
     if keep_plan:
         plan = pool.plan.buffer
-    _native.check(lib.megamoe_grouped_gemm_swiglu_bf16(
-        pool.x.data_ptr(), w13.data_ptr(), h.data_ptr(), z.data_ptr() if keep else None,
-        pool.plan.block_expert.data_ptr(), pool.plan.num_blocks.data_ptr(), pool.max_blocks, two_i // 2, hidden,
-        num_local, pool.stream), "fused GEMM1")
+    h = grouped_gemm_swiglu(pool.x, w13, pool.plan, z if keep else None)
     del pool.x
-    y = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_bf16, h, w2, hidden, topk_weights, "fused GEMM2")
+    y = pool.scatter_combine(h, w2, hidden, topk_weights)
     pool.id_range.raise_if_any()
     return y, x_pool, z, plan
 
@@ -179,42 +167,24 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
                                            main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
-    lib = _native.library()
-    num_local, two_i, hidden = w13.shape
-    inter = two_i // 2
+    num_local, _, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None, plan if plan.numel() else None)
-    plan, rows, stream = pool.plan, pool.rows, pool.stream
+    plan = pool.plan
     dy_pool, p_pool = pool.gather(dy.contiguous(), topk_weights)
     if z.numel() == 0:
         z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
-    dz, hp = x.new_empty(rows, two_i), x.new_empty(rows, inter)
-    dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=x.device)
-    _native.check(lib.megamoe_grouped_gemm_swiglu_backward_bf16(
-        dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(), hp.data_ptr(),
-        dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), pool.max_blocks,
-        inter, hidden, num_local, stream), "fused backward dh")
+    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, z, p_pool, plan)
     del z
     if need_dweights:
-        dp = torch.empty(topk_ids.numel(), dtype=torch.float32, device=x.device)
-        _native.check(lib.megamoe_dp_reduce(
-            dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), dp.numel(), inter,
-            pool.max_blocks, stream), "fused backward dp")
-        dweights = dp.view(topk_weights.shape).to(topk_weights.dtype)
+        dweights = reduce_dp(dp_partial, plan, topk_ids.numel()).view(topk_weights.shape).to(topk_weights.dtype)
     if need_dx:
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
-        dx = pool.scatter_combine(lib.megamoe_grouped_gemm_scatter_mn_bf16, dz, w13, hidden, ones,
-                                  "fused backward dx")
+        dx = pool.scatter_combine(dz, w13, hidden, ones, b_is_k_by_n=True)
     # Into the returned bf16 gradient, or added in fp32 to main_grad (the returned one is then empty).
     for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, hp),
                                        (need_dw13, dw13, main_grad13, dz, pool.x)):
         if need:
-            accumulate = int(main_grad is not None)
-            target = out if main_grad is None else main_grad
-            _native.check(lib.megamoe_grouped_weight_grad_bf16(
-                a.data_ptr(), b.data_ptr(), target.data_ptr(), plan.expert_offsets.data_ptr(),
-                plan.expert_counts.data_ptr(), pool.max_blocks, num_local, target.shape[1], target.shape[2],
-                accumulate, accumulate, stream),
-                "fused backward weight gradient")
+            weight_grad(a, b, plan, out if main_grad is None else main_grad)
     return dx, dweights, dw13, dw2
 
 

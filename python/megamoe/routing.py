@@ -82,7 +82,7 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
         workspace = torch.empty(lib.megamoe_routing_workspace_bytes(ctypes.byref(shape)),
                                 dtype=torch.uint8, device=device)
         pointers.workspace = workspace.data_ptr()
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _native.stream(device)
         status = lib.megamoe_build_routing_cuda(topk_ids.data_ptr(), ctypes.byref(shape),
                                                 ctypes.byref(pointers), stream)
     else:

@@ -7,13 +7,10 @@
 // of weights_pool the same way (0 on padding rows): the backward's per-row p.
 #include <algorithm>
 
-#include "common/status.h"
-#include "common/vec16.cuh"
+#include "kernels/dispatch_combine/warp_rows.cuh"
 
 namespace megamoe {
 namespace {
-
-constexpr int kWarpsPerCta = 8;
 constexpr int kMaxVecsPerLane = 16;  // H up to 32 lanes * 16 * 8 = 4096 bf16 kept in registers
 
 template <int kVecsPerLane>
@@ -115,14 +112,9 @@ extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* r
   if ((weights == nullptr) != (weights_pool == nullptr)) {
     return invalid_argument("dispatch: weights and weights_pool go together (both null, or both set)");
   }
-  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(pool)) % 16) {
-    return invalid_argument("dispatch: x and pool must be 16-byte aligned");
-  }
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t warps_wanted = std::max(num_tokens, (max_rows + 31) / 32);
-  const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (warps_wanted + kWarpsPerCta - 1) / kWarpsPerCta));
+  if (!aligned16(x) || !aligned16(pool)) return invalid_argument("dispatch: x and pool must be 16-byte aligned");
+  int grid = 0;  // a warp per token for the copies, per 32 pool rows for the padding
+  if (int s = warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid); s != MEGAMOE_OK) return s;
   const DispatchArgs args{static_cast<const Bf16x8*>(x), static_cast<Bf16x8*>(pool), route_to_slot,
                           slot_to_route, num_blocks, weights, weights_pool, num_tokens, max_rows, top_k,
                           hidden / kBf16PerVec};

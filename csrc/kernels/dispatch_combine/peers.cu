@@ -15,13 +15,10 @@
 //            megamoe_combine_bf16, so W ranks give bit for bit the result of one.
 #include <algorithm>
 
-#include "common/status.h"
-#include "common/vec16.cuh"
+#include "kernels/dispatch_combine/warp_rows.cuh"
 
 namespace megamoe {
 namespace {
-
-constexpr int kWarpsPerCta = 8;
 
 struct DispatchPeers {
   const Bf16x8* x[MEGAMOE_MAX_PEERS];
@@ -65,32 +62,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 combine_peer_rows(const __grid_constant__ CombinePeers peers, const float* __restrict__ topk_weights,
                   int64_t route_offset, Bf16x8* __restrict__ y, int64_t num_tokens, int32_t top_k,
                   int32_t vecs_per_row) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
-  for (int64_t t = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; t < num_tokens; t += warps) {
-    for (int c = lane; c < vecs_per_row; c += 32) {
-      float acc[kBf16PerVec] = {};
-      for (int k = 0; k < top_k; ++k) {
-        const int64_t local_route = t * top_k + k;
-        for (int d = 0; d < peers.world; ++d) {
-          const int32_t slot = peers.route_to_slot[d][route_offset + local_route];
-          if (slot < 0) continue;
-          add_scaled(acc, peers.out[d][int64_t(slot) * vecs_per_row + c], topk_weights[local_route]);
-          break;  // a route has a slot in one plan at most: its expert's owner
-        }
-      }
-      y[t * vecs_per_row + c] = round_to_bf16(acc);
+  const auto route_row = [&](int64_t local_route) -> const Bf16x8* {
+    for (int d = 0; d < peers.world; ++d) {  // a route has a slot in one plan at most: its expert's owner
+      const int32_t slot = peers.route_to_slot[d][route_offset + local_route];
+      if (slot >= 0) return peers.out[d] + int64_t(slot) * vecs_per_row;
     }
-  }
-}
-
-int grid_for(int64_t warps_wanted) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  return int(std::min<int64_t>(int64_t(sms) * 8, (warps_wanted + kWarpsPerCta - 1) / kWarpsPerCta));
+    return nullptr;
+  };
+  combine_tokens(route_row, topk_weights, y, num_tokens, top_k, vecs_per_row);
 }
 
 int check_world(const std::string& fn, int32_t world, int32_t top_k, int32_t hidden) {
@@ -104,8 +83,6 @@ int check_world(const std::string& fn, int32_t world, int32_t top_k, int32_t hid
   }
   return MEGAMOE_OK;
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 }  // namespace megamoe
@@ -152,8 +129,8 @@ extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int
   if (!aligned16(pool)) return invalid_argument(fn + "pool must be 16-byte aligned");
   const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
   if (max_rows == 0) return MEGAMOE_OK;
-  const int grid = grid_for(max_rows);
-  if (grid == 0) return cuda_status(cudaGetLastError(), "megamoe_dispatch_peers_bf16: device query");
+  int grid = 0;
+  if (int s = warp_grid(max_rows, &grid); s != MEGAMOE_OK) return s;
   dispatch_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       peers, static_cast<Bf16x8*>(pool), weights_pool, slot_to_route, num_blocks, max_rows, top_k,
       hidden / kBf16PerVec);
@@ -183,8 +160,8 @@ extern "C" int megamoe_combine_peers_bf16(const void* const* out_peers, const in
     peers.route_to_slot[d] = route_to_slot_peers[d];
   }
   if (!aligned16(y)) return invalid_argument(fn + "y must be 16-byte aligned");
-  const int grid = grid_for(num_tokens);
-  if (grid == 0) return cuda_status(cudaGetLastError(), "megamoe_combine_peers_bf16: device query");
+  int grid = 0;
+  if (int s = warp_grid(num_tokens, &grid); s != MEGAMOE_OK) return s;
   combine_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       peers, topk_weights, route_offset, static_cast<Bf16x8*>(y), num_tokens, top_k, hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());

@@ -65,8 +65,6 @@ inline int choose_block_n(int32_t n) {
   return n % 256 == 0 ? 256 : 128;
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Checks shared by every entry point: the plan pointers, the pool size, the expert count and the
 // GEMM's own N (columns of the B matrix per tile row range) and K. `fn` prefixes the message;
 // n_name / k_name are the caller's names for N and K.
