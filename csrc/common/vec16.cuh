@@ -14,14 +14,21 @@ struct alignas(16) Bf16x8 {
   __nv_bfloat162 pairs[4];
 };
 
-// One 16-byte read-only load (ld.global.nc.v4): the compiler cannot always prove that a Bf16x8
-// pointer chosen at run time is aligned, and then splits the load in four.
+// One 16-byte load (ld.global.nc.v4) or store (st.global.v4): through Bf16x8 itself the compiler
+// splits both into four 4-byte accesses, as it cannot prove the 16-byte alignment of the address.
+// load_readonly is for data that nothing writes while the kernel runs (the non-coherent path).
 __device__ __forceinline__ Bf16x8 load_readonly(const Bf16x8* p) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
   Bf16x8 v;
   static_assert(sizeof(v) == sizeof(raw), "16 bytes");
   memcpy(&v, &raw, sizeof(v));
   return v;
+}
+
+__device__ __forceinline__ void store(Bf16x8* p, const Bf16x8& v) {
+  uint4 raw;
+  memcpy(&raw, &v, sizeof(raw));
+  *reinterpret_cast<uint4*>(p) = raw;
 }
 
 __device__ __forceinline__ void add_scaled(float (&acc)[kBf16PerVec], const Bf16x8& v, float scale) {

@@ -24,7 +24,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
 #pragma unroll
     for (int i = 0; i < kVecsPerLane; ++i) {
       const int c = i * 32 + lane;
-      if (c < vecs_per_row) v[i] = x[t * vecs_per_row + c];
+      if (c < vecs_per_row) v[i] = load_readonly(x + t * vecs_per_row + c);
     }
     for (int k = 0; k < top_k; ++k) {
       const int64_t slot = route_to_slot[t * top_k + k];
@@ -33,7 +33,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
         const int c = i * 32 + lane;
-        if (c < vecs_per_row) pool[slot * vecs_per_row + c] = v[i];
+        if (c < vecs_per_row) store(pool + slot * vecs_per_row + c, v[i]);
       }
     }
   }
@@ -51,7 +51,7 @@ __device__ void zero_padding_rows(Bf16x8* __restrict__ pool, float* __restrict__
       const int64_t pad_row = base + __ffs(padding) - 1;
       padding &= padding - 1;
       if (weights_pool != nullptr && lane == 0) weights_pool[pad_row] = 0.f;
-      for (int c = lane; c < vecs_per_row; c += 32) pool[pad_row * vecs_per_row + c] = Bf16x8{};
+      for (int c = lane; c < vecs_per_row; c += 32) store(pool + pad_row * vecs_per_row + c, Bf16x8{});
     }
   }
 }

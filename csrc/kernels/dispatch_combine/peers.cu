@@ -54,7 +54,7 @@ dispatch_peer_rows(const __grid_constant__ DispatchPeers peers, Bf16x8* __restri
     }
     if (weights_pool != nullptr && lane == 0) weights_pool[row] = weight;
     Bf16x8* dst = pool + row * vecs_per_row;
-    for (int c = lane; c < vecs_per_row; c += 32) dst[c] = src != nullptr ? src[c] : Bf16x8{};
+    for (int c = lane; c < vecs_per_row; c += 32) store(dst + c, src != nullptr ? load_readonly(src + c) : Bf16x8{});
   }
 }
 

@@ -51,7 +51,7 @@ __device__ __forceinline__ void combine_tokens(const RouteRow& route_row, const 
           if (routed[j]) add_scaled(acc, rows[j], topk_weights[t * top_k + k0 + j]);
         }
       }
-      y[t * vecs_per_row + c] = round_to_bf16(acc);
+      store(y + t * vecs_per_row + c, round_to_bf16(acc));
     }
   }
 }
