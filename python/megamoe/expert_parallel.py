@@ -15,7 +15,8 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
 Here the phases run one after another over the ranks on one stream, which stands in for the
 barriers real ranks need between phases, and the peer tables point at buffers of one device where
 real ranks would pass symmetric memory of their peers. That checks the protocol and the kernels on
-one GPU; megamoe.moe(group=...) over a process group is not wired to it yet (it raises).
+one GPU; megamoe.moe(group=...) runs the same kernels between the processes of a group
+(expert_parallel_group.py).
 backward_virtual_ranks is the backward of the same data path (owners pull dy and p, run the
 single-rank backward kernels on their pools, ranks pull dx rows and dp values back).
 """
