@@ -88,6 +88,10 @@ _SIGNATURES = {
         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]),
+    "megamoe_barrier": (ctypes.c_int, [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
+    "megamoe_barrier_check": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int64]),
     "megamoe_combine_peers_bf16": (ctypes.c_int, [
         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
@@ -128,5 +132,5 @@ def stream(device: torch.device) -> int:
 def check(status: int, what: str) -> None:
     if status != MEGAMOE_OK:
         message = library().megamoe_last_error().decode(errors="replace")
-        error = ValueError if status == 1 else RuntimeError
+        error = {1: ValueError, 3: TimeoutError}.get(status, RuntimeError)
         raise error(f"{what}: {message}")

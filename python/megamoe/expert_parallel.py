@@ -15,7 +15,8 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
 Here the phases run one after another over the ranks on one stream, which stands in for the
 barriers real ranks need between phases, and the peer tables point at buffers of one device where
 real ranks would pass symmetric memory of their peers. That checks the protocol and the kernels on
-one GPU; megamoe.moe(group=...) over a process group is not wired to it yet (it raises).
+one GPU; megamoe.moe(group=...) runs the same kernels between the processes of a group
+(expert_parallel_group.py).
 backward_virtual_ranks is the backward of the same data path (owners pull dy and p, run the
 single-rank backward kernels on their pools, ranks pull dx rows and dp values back).
 """
@@ -64,6 +65,39 @@ def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
     check_fused_support(xs[0], w13_shape[2], w13_shape[1] // 2)
 
 
+def pointer_table(tensors):
+    """A host array of the tensors' device pointers: the peer tables the pull kernels take."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def pull_rows(plan, rows_table, route_offsets, like: torch.Tensor, weights_table=None):
+    """The pool of the owner whose `plan` this is: its routes' rows from every rank's rows [T_r, H]
+    (rows_table; route_offsets: a host int64 array of W + 1), and with weights_table (every rank's
+    fp32 [T_r, K]) each pool row's weight as well."""
+    world, (top_k, hidden) = len(route_offsets) - 1, (plan.route_to_slot.shape[1], like.shape[1])
+    max_blocks = plan.block_expert.numel()
+    pool = like.new_empty(max_blocks * _native.BLOCK_M, hidden)
+    weights_pool = None if weights_table is None else torch.empty(pool.shape[0], dtype=torch.float32,
+                                                                  device=pool.device)
+    _native.check(_native.library().megamoe_dispatch_peers_bf16(
+        rows_table, route_offsets, world, pool.data_ptr(), plan.slot_to_route.data_ptr(), plan.num_blocks.data_ptr(),
+        max_blocks, top_k, hidden, weights_table, None if weights_table is None else weights_pool.data_ptr(),
+        _native.stream(like.device)), "expert-parallel dispatch")
+    return pool if weights_table is None else (pool, weights_pool)
+
+
+def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor, route_offset: int,
+                        like: torch.Tensor) -> torch.Tensor:
+    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool), summed as
+    the single-rank combine sums."""
+    y = torch.empty_like(like)
+    weights = weights.to(torch.float32).contiguous()
+    _native.check(_native.library().megamoe_combine_peers_bf16(
+        out_table, route_to_slot_table, world, weights.data_ptr(), route_offset, y.data_ptr(), y.shape[0],
+        weights.shape[1], y.shape[1], _native.stream(like.device)), "expert-parallel combine")
+    return y
+
+
 class _Ranks:
     """The W ranks' shared view: global route numbering, every owner's plan over all routes, and
     the peer tables the pull kernels take."""
@@ -72,7 +106,6 @@ class _Ranks:
         self.world, (self.num_local, two_i, self.hidden) = len(xs), w13s[0].shape
         self.inter, self.top_k = two_i // 2, topk_ids[0].shape[1]
         self.num_experts = self.world * self.num_local
-        self.lib, self.stream = _native.library(), _native.stream(xs[0].device)
         self.route_offsets = list(itertools.accumulate((x.shape[0] * self.top_k for x in xs), initial=0))
         ids_all = torch.cat([ids.to(torch.int32) for ids in topk_ids]).contiguous()  # the metadata all-gather
         self.plans = [build_routing(ids_all, self.num_experts, d * self.num_local, self.num_local)
@@ -80,31 +113,17 @@ class _Ranks:
         self.offsets = (ctypes.c_int64 * (self.world + 1))(*self.route_offsets)
 
     def table(self, tensors):
-        return (ctypes.c_void_p * self.world)(*(t.data_ptr() for t in tensors))
+        return pointer_table(tensors)
 
     def pull_rows(self, d, rows, weights=None):
         """Owner d's pool of the ranks' `rows` [T_r, H] (and, with weights [T_r, K], each pool row's weight)."""
-        plan = self.plans[d]
-        max_blocks = plan.block_expert.numel()
-        pool = rows[0].new_empty(max_blocks * _native.BLOCK_M, self.hidden)
-        weights_pool = None if weights is None else torch.empty(pool.shape[0], dtype=torch.float32,
-                                                                device=pool.device)
-        _native.check(self.lib.megamoe_dispatch_peers_bf16(
-            self.table(rows), self.offsets, self.world, pool.data_ptr(), plan.slot_to_route.data_ptr(),
-            plan.num_blocks.data_ptr(), max_blocks, self.top_k, self.hidden,
-            None if weights is None else self.table(weights),
-            None if weights is None else weights_pool.data_ptr(), self.stream), f"expert-parallel dispatch to rank {d}")
-        return pool if weights is None else (pool, weights_pool)
+        return pull_rows(self.plans[d], self.table(rows), self.offsets, rows[0],
+                         None if weights is None else self.table(weights))
 
     def combine(self, r, x, out_pools, weights):
         """Rank r's [T_r, H] = Σ_k weights[t, k] · (its route's row in its expert owner's out pool)."""
-        y = torch.empty_like(x)
-        weights = weights.to(torch.float32).contiguous()
-        _native.check(self.lib.megamoe_combine_peers_bf16(
-            self.table(out_pools), self.table([plan.route_to_slot for plan in self.plans]), self.world,
-            weights.data_ptr(), self.route_offsets[r], y.data_ptr(), x.shape[0], self.top_k, self.hidden,
-            self.stream), f"expert-parallel combine on rank {r}")
-        return y
+        return combine_from_owners(self.table(out_pools), self.table([plan.route_to_slot for plan in self.plans]),
+                                   self.world, weights, self.route_offsets[r], x)
 
     def raise_on_bad_ids(self):
         invalid = int(self.plans[0].num_invalid)  # every plan counts the same ids outside [-1, E)

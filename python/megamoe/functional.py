@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .backends import grouped_moe, naive_moe
+from .expert_parallel_group import group_moe
 from .fused import check_fused_support, fused_moe_autograd
 from .validation import BACKENDS, check_moe_inputs, check_precision, check_recompute
 
@@ -28,11 +29,13 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
         raise NotImplementedError(
             f"precision={precision!r} is planned (block FP8 in the fused kernels); every backend "
             "runs precision='bf16' today")
-    if problem.num_experts != problem.num_local_experts:
-        raise NotImplementedError(
-            "expert parallelism over a process group is not wired in yet: its data path (pull dispatch "
-            "and combine over peer pointer tables, forward and backward) runs on virtual ranks of one GPU "
-            "in megamoe.expert_parallel; every backend runs all experts on one GPU today (pass group=None)")
+    if group is not None:
+        if backend != "fused" or recompute:
+            raise NotImplementedError(
+                "expert parallelism over a process group runs backend='fused' with recompute=False; "
+                f"got backend={backend!r}, recompute={recompute}")
+        check_fused_support(x, problem.hidden_size, problem.intermediate_size)
+        return group_moe(x, topk_ids, topk_weights, w13, w2, group)
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
         return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute)

@@ -8,11 +8,12 @@ from . import _native
 from .routing import RoutingPlan
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """c [rows, N] with c[block] = a[block] · b[expert of block]ᵀ for the plan's live blocks.
 
-    a: [max_blocks * 128, K] bf16 pool rows; b: [E_local, N, K] bf16. Rows past the live blocks
-    are left unwritten.
+    a: [max_blocks * 128, K] bf16 pool rows; b: [E_local, N, K] bf16; out: where to write c (a
+    contiguous bf16 [rows, N]), or None for a new tensor. Rows past the live blocks are left unwritten.
     """
     rows = plan.block_expert.numel() * _native.BLOCK_M
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
@@ -23,7 +24,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan) -> torch.T
     if not (a.is_cuda and b.is_cuda and a.is_contiguous() and b.is_contiguous()):
         raise ValueError("grouped_gemm needs contiguous CUDA tensors")
     num_local, n, k = b.shape
-    c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
+    c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device) if out is None else out
+    if c.shape != (rows, n) or c.dtype != torch.bfloat16 or c.device != a.device or not c.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 [{rows}, {n}] on {a.device}, got {c.dtype} "
+                         f"{tuple(c.shape)} on {c.device}")
     status = _native.library().megamoe_grouped_gemm_bf16(
         a.data_ptr(), b.data_ptr(), c.data_ptr(), plan.block_expert.data_ptr(),
         plan.num_blocks.data_ptr(), plan.block_expert.numel(), n, k, num_local, _native.stream(a.device))

@@ -1,0 +1,263 @@
+"""megamoe.moe(..., group=g): expert parallelism over a torch.distributed process group.
+
+Every rank of g runs the same MoE calls in the same order (SPMD). Rank r holds its tokens x_r
+[T_r, H] with (topk_ids_r, topk_weights_r) over all E = W * E_local experts, and the weights of its
+experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe.expert_parallel;
+here the ranks are processes, the peer tables point into the other ranks' memory, and barriers
+(megamoe_barrier, a GPU kernel that times out instead of hanging) order the phases:
+
+  metadata     all-gather of T_r and topk_ids over g (host collective, once per forward)
+  publish      rank r copies its rows (x, or dy and its topk weights) into its shared buffer
+  barrier 1
+  own plan     each owner writes its routing plan's route -> slot table into its shared buffer
+  dispatch     each owner pulls its routes' rows from every rank's shared rows
+  experts      the single-rank kernels on the owner's pool; GEMM2 (or dx) into its shared out pool
+  barrier 2
+  combine      rank r pulls its routes' rows from their owners' out pools, fixed-order sum
+
+Shared buffers are written only where no peer can still read them: the rows before barrier 1 (peers
+read them before barrier 2 of the previous call), the plan table and the out pool after barrier 1
+(peers read them after barrier 2 of the previous call). The buffers are allocated by this module
+with the caching allocator and mapped into the peers through CUDA IPC (torch.multiprocessing's
+handles), once per size; they grow, never shrink, at a point where no kernel of any rank is in
+flight. Peers on other GPUs need peer access (NVLink); W processes may also share one GPU.
+
+The backward keeps the owner's pool of x and the plans from the forward, recomputes z, and uses the
+same two-barrier call for dy: owners compute dh, dp, dx per route (into the shared out pool) and
+their own experts' weight gradients; ranks pull dx rows and dp values back. It has no host
+collective, so a rank that skips it makes its peers time out, not hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+
+import torch
+
+from . import _native
+from .expert_parallel import combine_from_owners, pointer_table, pull_rows
+from .fused import main_grad_of
+from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
+from .routing import RoutingPlan, build_routing, pool_capacity
+from .validation import id_range_message
+
+_PHASES = ("dispatch", "combine")
+_GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
+
+
+def _timeout_ns() -> int:
+    return int(float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", "120")) * 1e9)
+
+
+class _Workspace:
+    """One process group's shared buffers, their peer tables and the barrier's signals."""
+
+    def __init__(self, group, device: torch.device):
+        import torch.distributed as dist
+        self.dist, self.group, self.device = dist, group, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world > _native.MAX_PEERS:
+            raise ValueError(f"expert parallelism runs up to {_native.MAX_PEERS} ranks per group, this group has "
+                             f"{self.world}")
+        self.buffers: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.signals, signal_peers = self._share(torch.zeros(self.world, dtype=torch.int32, device=device))
+        self.signal_table = pointer_table(signal_peers)
+        self.status = torch.zeros(2 * len(_PHASES), dtype=torch.int32, device=device)
+        self.epoch = 0
+
+    def _share(self, tensor: torch.Tensor):
+        """(tensor, every rank's tensor mapped here): a collective over the group."""
+        from torch.multiprocessing.reductions import reduce_tensor
+        handles = [None] * self.world
+        self.dist.all_gather_object(handles, reduce_tensor(tensor), group=self.group)
+        peers = [tensor if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(handles)]
+        return tensor, peers
+
+    def reserve(self, sizes: dict[str, tuple[int, torch.dtype]]) -> None:
+        """Makes every buffer hold at least its size. Every rank passes the same sizes (they follow from
+        the gathered metadata), so every rank grows the same buffers in the same collective."""
+        grow = {name: (numel, dtype) for name, (numel, dtype) in sizes.items()
+                if name not in self.buffers or self.buffers[name][0].numel() < numel}
+        if not grow:
+            return
+        # Nothing of this rank, then of any rank, may still read a buffer that is replaced.
+        torch.cuda.synchronize(self.device)
+        self.dist.barrier(group=self.group)
+        for name, (numel, dtype) in sorted(grow.items()):
+            self.buffers.pop(name, None)
+            local = torch.empty(max(1, int(numel * _GROWTH)), dtype=dtype, device=self.device)
+            self.buffers[name] = self._share(local)
+
+    def local(self, name: str, numel: int) -> torch.Tensor:
+        return self.buffers[name][0][:numel]
+
+    def table(self, name: str):
+        return pointer_table(self.buffers[name][1])
+
+    def peer(self, name: str, r: int) -> torch.Tensor:
+        return self.buffers[name][1][r]
+
+    def barrier(self, phase: int) -> None:
+        """Phase 1 or 2 of the current call, queued on the current stream."""
+        self.epoch += 1
+        _native.check(_native.library().megamoe_barrier(
+            self.signal_table, self.world, self.rank,
+            self.epoch, phase, _timeout_ns(), self.status[2 * (phase - 1):].data_ptr(),
+            _native.stream(self.device)), "expert-parallel barrier")
+
+    def raise_if_timed_out(self) -> None:
+        """Waits for this rank's queued work, then raises if a barrier of the call timed out."""
+        status = self.status.cpu()
+        lib = _native.library()
+        for phase in range(len(_PHASES)):
+            pair = (ctypes.c_int32 * 2)(*status[2 * phase:2 * phase + 2].tolist())
+            _native.check(lib.megamoe_barrier_check(pair, self.rank, _timeout_ns()),
+                          f"expert-parallel {_PHASES[phase]} (rank {self.rank} of {self.world})")
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(group, device: torch.device) -> _Workspace:
+    key = (group, device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = _Workspace(group, device)
+    return _WORKSPACES[key]
+
+
+class _Meta:
+    """What every rank knows after the metadata all-gather: every rank's token count, the routes'
+    global numbering, this rank's plan over all routes and the shared buffers' sizes."""
+
+    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor):
+        num_local, two_i, hidden = w13.shape
+        top_k = topk_ids.shape[1]
+        shape = (x.shape[0], top_k, hidden, two_i, num_local)
+        shapes = [None] * ws.world
+        ws.dist.all_gather_object(shapes, shape, group=ws.group)
+        for r, other in enumerate(shapes):
+            if other[1:] != shape[1:]:
+                raise ValueError(f"every rank of the group needs the same K, H, 2I and E_local: rank {r} has "
+                                 f"{other[1:]}, rank {ws.rank} {shape[1:]}")
+        self.tokens = [s[0] for s in shapes]
+        self.top_k, self.hidden, self.num_local = top_k, hidden, num_local
+        self.num_experts = num_local * ws.world
+        self.route_offsets = list(itertools.accumulate((t * top_k for t in self.tokens), initial=0))
+        self.offsets = (ctypes.c_int64 * (ws.world + 1))(*self.route_offsets)
+        self.total_routes = self.route_offsets[-1]
+        self.plan = None
+        if self.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
+            return
+        ids_all = self._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
+        self.plan = build_routing(ids_all, self.num_experts, ws.rank * num_local, num_local)
+        max_tokens = max(self.tokens)
+        ws.reserve({"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
+                    "route_to_slot": (self.total_routes, torch.int32),
+                    "out": (pool_capacity(self.total_routes, num_local) * hidden, torch.bfloat16),
+                    "dp": (self.total_routes, torch.float32)})
+
+    def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
+        """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device (gloo gathers on the host)."""
+        on_host = ws.dist.get_backend(ws.group) == "gloo"
+        padded = torch.full((max(self.tokens), self.top_k), -1, dtype=torch.int32,
+                            device="cpu" if on_host else ids.device)
+        padded[:ids.shape[0]] = ids
+        parts = [torch.empty_like(padded) for _ in range(ws.world)]
+        ws.dist.all_gather(parts, padded, group=ws.group)
+        return torch.cat([p[:t] for p, t in zip(parts, self.tokens)]).to(ids.device).contiguous()
+
+    def raise_on_bad_ids(self, plan: RoutingPlan) -> None:
+        invalid = int(plan.num_invalid)  # every rank's plan counts the same ids outside [-1, E)
+        if invalid:
+            raise ValueError(id_range_message(self.num_experts, f"{invalid} ids outside it (over the group)"))
+
+
+def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torch.Tensor,
+                      weights: torch.Tensor | None = None):
+    """Publish this rank's rows (and weights), barrier 1, publish the plan's route -> slot table, and
+    pull this owner's pool of rows (and its rows' weights) from every rank."""
+    ws.local("rows", rows.numel()).copy_(rows.reshape(-1))
+    if weights is not None:
+        ws.local("weights", weights.numel()).copy_(weights.reshape(-1))
+    ws.barrier(1)
+    ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
+    return pull_rows(plan, ws.table("rows"), meta.offsets, rows,
+                     None if weights is None else ws.table("weights"))
+
+
+def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Barrier 2, then this rank's rows summed from their owners' shared out pools."""
+    ws.barrier(2)
+    return combine_from_owners(ws.table("out"), ws.table("route_to_slot"), ws.world, weights,
+                               meta.route_offsets[ws.rank], like)
+
+
+def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2):
+    """(y, x_pool, meta): the layer's forward for this rank's tokens."""
+    meta = _Meta(ws, x, topk_ids, w13)
+    plan = meta.plan
+    if meta.total_routes == 0:
+        return torch.zeros_like(x), x.new_empty(0, x.shape[1]), meta
+    x_pool = _publish_and_pull(ws, meta, plan, x)
+    h = grouped_gemm_swiglu(x_pool, w13, plan)
+    out = ws.local("out", x_pool.numel()).view(x_pool.shape)
+    grouped_gemm(h, w2, plan, out=out)
+    del h
+    y = _combine(ws, meta, topk_weights, x)
+    ws.raise_if_timed_out()
+    meta.raise_on_bad_ids(plan)
+    return y, x_pool, meta
+
+
+def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, main_grad13, main_grad2):
+    """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad)."""
+    plan = meta.plan
+    weights = topk_weights.to(torch.float32).contiguous()
+    dw13 = torch.empty_like(w13) if main_grad13 is None else None
+    dw2 = torch.empty_like(w2) if main_grad2 is None else None
+    if meta.total_routes == 0:
+        return (torch.zeros_like(dy), torch.zeros_like(topk_weights),
+                None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
+    dy_pool, p_pool = _publish_and_pull(ws, meta, plan, dy.contiguous(), weights)
+    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
+    ws.local("dp", meta.total_routes).copy_(reduce_dp(dp_partial, plan, meta.total_routes))
+    # dx per route in pool order into the shared out pool: the scatter GEMM with row s going to row s.
+    dx_pool = ws.local("out", x_pool.numel()).view(x_pool.shape)
+    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)
+    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+    weight_grad(dz, x_pool, plan, dw13 if main_grad13 is None else main_grad13)
+    weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
+    del dz, hp, dy_pool
+    dx = _combine(ws, meta, torch.ones_like(weights), dy)
+    # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
+    begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
+    dp = sum(ws.peer("dp", d)[begin:end].to(dy.device) for d in range(ws.world))
+    ws.raise_if_timed_out()
+    return dx, dp.view(topk_weights.shape).to(topk_weights.dtype), dw13, dw2
+
+
+class _GroupMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws):
+        y, x_pool, meta = _forward(ws, x, topk_ids, topk_weights, w13, w2)
+        ctx.ws, ctx.meta = ws, meta
+        ctx.save_for_backward(x_pool, topk_weights, w13, w2)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_pool, topk_weights, w13, w2 = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        main_grads = [main_grad_of(w, name) if need else None
+                      for w, name, need in ((w13, "w13", needs[3]), (w2, "w2", needs[4]))]
+        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, topk_weights, w13, w2, *main_grads)
+        return (dx if needs[0] else None, None, dweights if needs[2] else None, dw13 if needs[3] else None,
+                dw2 if needs[4] else None, None)
+
+
+def group_moe(x, topk_ids, topk_weights, w13, w2, group) -> torch.Tensor:
+    """y [T_r, H] for this rank's tokens, its experts' weights w13 [E_local, 2I, H], w2 [E_local, H, I];
+    differentiable like megamoe.moe. Every rank of `group` must make the same calls in the same order."""
+    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device))

@@ -1,0 +1,96 @@
+"""megamoe.moe(..., group=g): expert parallelism over a torch.distributed process group. The GPU
+tests run W processes (gloo group, CUDA IPC between them) on one GPU; every rank's output and
+gradients must equal, bit for bit, the single-rank fused layer on the whole problem."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megamoe
+from conftest import requires_cuda
+from test_expert_parallel import _problem, _sm90
+
+
+def _init(rank: int, world: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts):
+    _init(rank, world, store)
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)  # the same problem in every process
+    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
+    dy = torch.randn_like(whole[0])
+    for _ in range(2):  # the second call reuses the shared buffers and the barrier's epochs
+        x, w, w13, w2 = (_leaf(t) for t in (xs[rank], weights[rank], w13s[rank], w2s[rank]))
+        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD)
+        y.backward(dy.split(tokens_per_rank)[rank])
+
+    x1, w1, w131, w21 = (_leaf(t) for t in (whole[0], whole[2], whole[3], whole[4]))
+    y1 = megamoe.moe(x1, whole[1], w1, w131, w21, recompute=True)
+    y1.backward(dy)
+    tokens = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
+    experts = slice(rank * w13.shape[0], (rank + 1) * w13.shape[0])
+    for name, got, expected in (("y", y, y1[tokens]), ("dx", x.grad, x1.grad[tokens]),
+                                ("d topk_weights", w.grad, w1.grad[tokens]),
+                                ("dw13", w13.grad, w131.grad[experts]), ("dw2", w2.grad, w21.grad[experts])):
+        assert torch.equal(got, expected), f"rank {rank}: {name} differs from the single-rank layer"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _peer_skips_backward(rank, world, store):
+    os.environ["MEGAMOE_EP_TIMEOUT_S"] = "2"
+    _init(rank, world, store)
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    xs, ids, weights, w13s, w2s, _ = _problem([64, 64], 8, "cuda")
+    x = _leaf(xs[rank])
+    y = megamoe.moe(x, ids[rank], weights[rank], w13s[rank], w2s[rank], group=dist.group.WORLD)
+    if rank == 0:
+        with pytest.raises(TimeoutError, match="rank 1 did not arrive"):
+            y.sum().backward()
+    dist.barrier()  # rank 1 keeps its memory mapped until rank 0 is done with it
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world, tmp_path, *args):
+    mp.spawn(fn, args=(world, str(tmp_path / "store"), *args), nprocs=world, join=True)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0]])
+def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+def test_rank_that_skips_the_backward_times_out_its_peer(tmp_path):
+    _spawn(_peer_skips_backward, 2, tmp_path)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    _init(0, 1, str(tmp_path / "store"))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"backend": "grouped"}, NotImplementedError, "backend='fused' with recompute=False"),
+    ({"recompute": True}, NotImplementedError, "backend='fused' with recompute=False"),
+    ({}, ValueError, "runs on CUDA tensors"),
+])
+def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
+    xs, ids, weights, w13s, w2s, _ = _problem([8], 4, "cpu")
+    with pytest.raises(error, match=match):
+        megamoe.moe(xs[0], ids[0], weights[0], w13s[0], w2s[0], group=world_of_one, **kwargs)
