@@ -25,7 +25,12 @@ flight. Peers on other GPUs need peer access (NVLink); W processes may also shar
 The backward keeps the owner's pool of x and the plans from the forward, recomputes z, and uses the
 same two-barrier call for dy: owners compute dh, dp, dx per route (into the shared out pool) and
 their own experts' weight gradients; ranks pull dx rows and dp values back. It has no host
-collective, so a rank that skips it makes its peers time out, not hang.
+collective, so a rank that skips it makes its peers time out, not hang. (The forward's metadata
+all-gather is a host collective: a rank that never arrives there is caught by the process group's
+own timeout, `init_process_group(timeout=...)`.)
+
+Costs not yet paid back: the metadata exchange and the barrier status check each wait on the host
+once per forward, and the exchange does not overlap the GEMMs.
 """
 
 from __future__ import annotations
