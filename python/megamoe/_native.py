@@ -92,6 +92,7 @@ _SIGNATURES = {
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
     "megamoe_barrier_check": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int64]),
+    "megamoe_enable_peer_access": (ctypes.c_int, [ctypes.c_int32]),
     "megamoe_combine_peers_bf16": (ctypes.c_int, [
         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),

@@ -20,7 +20,8 @@ read them before barrier 2 of the previous call), the plan table and the out poo
 (peers read them after barrier 2 of the previous call). The buffers are allocated by this module
 with the caching allocator and mapped into the peers through CUDA IPC (torch.multiprocessing's
 handles), once per size; they grow, never shrink, at a point where no kernel of any rank is in
-flight. Peers on other GPUs need peer access (NVLink); W processes may also share one GPU.
+flight. Ranks on different GPUs need peer access between them (NVLink or PCIe P2P) and processes
+that see every GPU of the group under the same numbering; W processes may also share one GPU.
 
 The backward keeps the owner's pool of x and the plans from the forward, recomputes z, and uses the
 same two-barrier call for dy: owners compute dh, dp, dx per route (into the shared out pool) and
@@ -69,6 +70,10 @@ class _Workspace:
         self.buffers: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.signals, signal_peers = self._share(torch.zeros(self.world, dtype=torch.int32, device=device))
         self.signal_table = pointer_table(signal_peers)
+        with torch.cuda.device(device):  # kernels here dereference the peers' memory on their GPUs
+            for peer_device in sorted({t.device.index for t in signal_peers} - {device.index}):
+                _native.check(_native.library().megamoe_enable_peer_access(peer_device),
+                              f"expert parallelism between cuda:{device.index} and cuda:{peer_device}")
         self.status = torch.zeros(2 * len(_PHASES), dtype=torch.int32, device=device)
         self.epoch = 0
 

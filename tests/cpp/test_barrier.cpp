@@ -89,4 +89,27 @@ TEST(BarrierValidation, RejectsBadArguments) {
   EXPECT_EQ(megamoe_barrier_check(arrived, 0, kSecond), MEGAMOE_OK);
 }
 
+TEST(PeerAccess, OwnDeviceIsAccessibleAndBadDevicesAreRejected) {
+  if (cuda_devices() == 0) {
+    EXPECT_NE(megamoe_enable_peer_access(0), MEGAMOE_OK);  // no device: an error, not a crash
+    return;
+  }
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(megamoe_enable_peer_access(device), MEGAMOE_OK) << megamoe_last_error();
+  expect_rejected(megamoe_enable_peer_access(-1), "peer_device must be in");
+  expect_rejected(megamoe_enable_peer_access(cuda_devices()), "peer_device must be in");
+  for (int peer = 0; peer < cuda_devices(); ++peer) {  // twice: the second finds it already on
+    for (int round = 0; round < 2; ++round) {
+      int can = 0;
+      ASSERT_EQ(cudaDeviceCanAccessPeer(&can, device, peer), cudaSuccess);
+      if (peer == device || can) {
+        EXPECT_EQ(megamoe_enable_peer_access(peer), MEGAMOE_OK) << megamoe_last_error();
+      } else {
+        expect_rejected(megamoe_enable_peer_access(peer), "no NVLink or PCIe peer-to-peer path");
+      }
+    }
+  }
+}
+
 }  // namespace

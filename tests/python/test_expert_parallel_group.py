@@ -1,6 +1,7 @@
 """megamoe.moe(..., group=g): expert parallelism over a torch.distributed process group. The GPU
-tests run W processes (gloo group, CUDA IPC between them) on one GPU; every rank's output and
-gradients must equal, bit for bit, the single-rank fused layer on the whole problem."""
+tests run W processes, on one GPU (gloo group) and, where there are several, one per GPU (NCCL
+group, peer access between the GPUs); every rank's output and gradients must equal, bit for bit,
+the single-rank fused layer on the whole problem."""
 
 import os
 
@@ -14,17 +15,18 @@ from conftest import requires_cuda
 from test_expert_parallel import _problem, _sm90
 
 
-def _init(rank: int, world: int, store: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _init(rank: int, world: int, store: str, backend: str = "gloo") -> None:
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_()
 
 
-def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts):
-    _init(rank, world, store)
-    torch.cuda.set_device(0)
+def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False):
+    _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
+    torch.cuda.set_device(rank if one_gpu_per_rank else 0)
     torch.manual_seed(0)  # the same problem in every process
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
     dy = torch.randn_like(whole[0])
@@ -70,6 +72,13 @@ def _spawn(fn, world, tmp_path, *args):
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0]])
 def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
+    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True)
 
 
 @requires_cuda

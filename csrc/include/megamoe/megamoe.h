@@ -119,6 +119,11 @@ int megamoe_barrier(void* const* signal_peers, int32_t world, int32_t rank, int3
                     int64_t timeout_ns, int32_t* status, void* stream);
 int megamoe_barrier_check(const int32_t* status, int32_t rank, int64_t timeout_ns);
 
+// Lets kernels on the current device dereference pointers into peer_device's memory (the other ranks'
+// buffers mapped from CUDA IPC handles): MEGAMOE_OK when already on or peer_device is this device;
+// MEGAMOE_ERROR_INVALID_ARGUMENT, with the reason, when the two GPUs have no peer-to-peer path.
+int megamoe_enable_peer_access(int32_t peer_device);
+
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).
 // For every block b < *num_blocks with local expert e = block_expert[b]:
