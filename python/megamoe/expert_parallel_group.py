@@ -30,8 +30,8 @@ collective, so a rank that skips it makes its peers time out, not hang. (The for
 all-gather is a host collective: a rank that never arrives there is caught by the process group's
 own timeout, `init_process_group(timeout=...)`.)
 
-Costs not yet paid back: the metadata exchange and the barrier status check each wait on the host
-once per forward, and the exchange does not overlap the GEMMs.
+Costs not yet paid back: the metadata exchange (forward) and the barrier status check (every call)
+wait on the host, and the exchange does not overlap the GEMMs.
 """
 
 from __future__ import annotations
