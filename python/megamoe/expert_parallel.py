@@ -98,6 +98,26 @@ def combine_from_owners(out_table, route_to_slot_table, world: int, weights: tor
     return y
 
 
+def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, num_routes: int, dx_pool, dw13, dw2) -> torch.Tensor:
+    """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
+    z recomputed, dh through the SwiGLU backward, dx per route in pool order into dx_pool, its experts'
+    weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp [num_routes] fp32, 0 for
+    the routes it does not own."""
+    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
+    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
+    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+    weight_grad(dz, x_pool, plan, dw13)
+    weight_grad(dy_pool, hp, plan, dw2)
+    return reduce_dp(dp_partial, plan, num_routes)
+
+
+def raise_on_bad_ids(plan, num_experts: int) -> None:
+    """Every owner's plan over all routes counts the same ids outside [-1, E): one plan tells."""
+    invalid = int(plan.num_invalid)
+    if invalid:
+        raise ValueError(id_range_message(num_experts, f"{invalid} ids outside it"))
+
+
 class _Ranks:
     """The W ranks' shared view: global route numbering, every owner's plan over all routes, and
     the peer tables the pull kernels take."""
@@ -112,23 +132,15 @@ class _Ranks:
                       for d in range(self.world)]
         self.offsets = (ctypes.c_int64 * (self.world + 1))(*self.route_offsets)
 
-    def table(self, tensors):
-        return pointer_table(tensors)
-
     def pull_rows(self, d, rows, weights=None):
         """Owner d's pool of the ranks' `rows` [T_r, H] (and, with weights [T_r, K], each pool row's weight)."""
-        return pull_rows(self.plans[d], self.table(rows), self.offsets, rows[0],
-                         None if weights is None else self.table(weights))
+        return pull_rows(self.plans[d], pointer_table(rows), self.offsets, rows[0],
+                         None if weights is None else pointer_table(weights))
 
     def combine(self, r, x, out_pools, weights):
         """Rank r's [T_r, H] = Σ_k weights[t, k] · (its route's row in its expert owner's out pool)."""
-        return combine_from_owners(self.table(out_pools), self.table([plan.route_to_slot for plan in self.plans]),
+        return combine_from_owners(pointer_table(out_pools), pointer_table([plan.route_to_slot for plan in self.plans]),
                                    self.world, weights, self.route_offsets[r], x)
-
-    def raise_on_bad_ids(self):
-        invalid = int(self.plans[0].num_invalid)  # every plan counts the same ids outside [-1, E)
-        if invalid:
-            raise ValueError(id_range_message(self.num_experts, f"{invalid} ids outside it"))
 
 
 def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.Tensor]:
@@ -144,7 +156,7 @@ def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.T
         h = grouped_gemm_swiglu(ranks.pull_rows(d, xs), w13s[d], plan)
         outs.append(grouped_gemm(h, w2s[d], plan))
     ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
-    ranks.raise_on_bad_ids()
+    raise_on_bad_ids(ranks.plans[0], ranks.num_experts)
     return ys
 
 
@@ -172,21 +184,15 @@ def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
     for d, plan in enumerate(ranks.plans):
         x_pool = ranks.pull_rows(d, xs)
         dy_pool, p_pool = ranks.pull_rows(d, dys, weights)
-        dz, hp, dp_partial = swiglu_backward(dy_pool, w2s[d], grouped_gemm(x_pool, w13s[d], plan), p_pool, plan)
-        dps.append(reduce_dp(dp_partial, plan, ranks.route_offsets[-1]))
-        # dx per route in pool order: the scatter GEMM with row s going to row s.
-        dx_pool = x_pool.new_empty(x_pool.shape)
-        in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)
-        grouped_gemm_scatter(dz, w13s[d], plan, in_place, dx_pool, b_is_k_by_n=True)
-        dx_pools.append(dx_pool)
+        dx_pools.append(x_pool.new_empty(x_pool.shape))
         dw13s.append(torch.empty_like(w13s[d]))
         dw2s.append(torch.empty_like(w2s[d]))
-        weight_grad(dz, x_pool, plan, dw13s[d])
-        weight_grad(dy_pool, hp, plan, dw2s[d])
+        dps.append(owner_backward(x_pool, dy_pool, p_pool, w13s[d], w2s[d], plan, ranks.route_offsets[-1],
+                                  dx_pools[d], dw13s[d], dw2s[d]))
     ones = [torch.ones_like(w) for w in weights]
     dxs = [ranks.combine(r, x, dx_pools, ones[r]) for r, x in enumerate(xs)]
     dp_all = torch.stack(dps).sum(0)
     dweights = [dp_all[ranks.route_offsets[r]:ranks.route_offsets[r + 1]].view(topk_weights[r].shape)
                 .to(topk_weights[r].dtype) for r in range(ranks.world)]
-    ranks.raise_on_bad_ids()
+    raise_on_bad_ids(ranks.plans[0], ranks.num_experts)
     return dxs, dweights, dw13s, dw2s

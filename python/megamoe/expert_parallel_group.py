@@ -43,11 +43,10 @@ import os
 import torch
 
 from . import _native
-from .expert_parallel import combine_from_owners, pointer_table, pull_rows
+from .expert_parallel import combine_from_owners, owner_backward, pointer_table, pull_rows, raise_on_bad_ids
 from .fused import main_grad_of
-from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
+from .gemm import grouped_gemm, grouped_gemm_swiglu
 from .routing import RoutingPlan, build_routing, pool_capacity
-from .validation import id_range_message
 
 _PHASES = ("dispatch", "combine")
 _GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
@@ -178,11 +177,6 @@ class _Meta:
         ws.dist.all_gather(parts, padded, group=ws.group)
         return torch.cat([p[:t] for p, t in zip(parts, self.tokens)]).to(ids.device).contiguous()
 
-    def raise_on_bad_ids(self, plan: RoutingPlan) -> None:
-        invalid = int(plan.num_invalid)  # every rank's plan counts the same ids outside [-1, E)
-        if invalid:
-            raise ValueError(id_range_message(self.num_experts, f"{invalid} ids outside it (over the group)"))
-
 
 def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torch.Tensor,
                       weights: torch.Tensor | None = None):
@@ -217,7 +211,7 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2):
     del h
     y = _combine(ws, meta, topk_weights, x)
     ws.raise_if_timed_out()
-    meta.raise_on_bad_ids(plan)
+    raise_on_bad_ids(plan, meta.num_experts)
     return y, x_pool, meta
 
 
@@ -231,15 +225,11 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
         return (torch.zeros_like(dy), torch.zeros_like(topk_weights),
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
     dy_pool, p_pool = _publish_and_pull(ws, meta, plan, dy.contiguous(), weights)
-    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
-    ws.local("dp", meta.total_routes).copy_(reduce_dp(dp_partial, plan, meta.total_routes))
-    # dx per route in pool order into the shared out pool: the scatter GEMM with row s going to row s.
-    dx_pool = ws.local("out", x_pool.numel()).view(x_pool.shape)
-    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)
-    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
-    weight_grad(dz, x_pool, plan, dw13 if main_grad13 is None else main_grad13)
-    weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
-    del dz, hp, dy_pool
+    dx_pool = ws.local("out", x_pool.numel()).view(x_pool.shape)  # dx per route, read by the peers
+    ws.local("dp", meta.total_routes).copy_(owner_backward(
+        x_pool, dy_pool, p_pool, w13, w2, plan, meta.total_routes, dx_pool,
+        dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2))
+    del dy_pool, p_pool
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]

@@ -29,15 +29,14 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
         raise NotImplementedError(
             f"precision={precision!r} is planned (block FP8 in the fused kernels); every backend "
             "runs precision='bf16' today")
-    if group is not None:
-        if backend != "fused" or recompute:
-            raise NotImplementedError(
-                "expert parallelism over a process group runs backend='fused' with recompute=False; "
-                f"got backend={backend!r}, recompute={recompute}")
-        check_fused_support(x, problem.hidden_size, problem.intermediate_size)
-        return group_moe(x, topk_ids, topk_weights, w13, w2, group)
+    if group is not None and (backend != "fused" or recompute):
+        raise NotImplementedError(
+            "expert parallelism over a process group runs backend='fused' with recompute=False; "
+            f"got backend={backend!r}, recompute={recompute}")
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
+        if group is not None:
+            return group_moe(x, topk_ids, topk_weights, w13, w2, group)
         return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute)
     return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2)
 
