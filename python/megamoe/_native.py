@@ -16,6 +16,7 @@ import torch
 MEGAMOE_OK = 0
 BLOCK_M = 128
 MAX_PEERS = 8  # MEGAMOE_MAX_PEERS: ranks in one expert-parallel group
+IPC_HANDLE_BYTES = 64  # MEGAMOE_IPC_HANDLE_BYTES
 
 _LIBRARY_NAME = "libmegamoe.so"
 
@@ -93,6 +94,12 @@ _SIGNATURES = {
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
     "megamoe_barrier_check": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int64]),
     "megamoe_enable_peer_access": (ctypes.c_int, [ctypes.c_int32]),
+    "megamoe_shared_alloc": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p),
+                                            ctypes.c_char_p]),
+    "megamoe_shared_free": (ctypes.c_int, [ctypes.c_int32, ctypes.c_void_p]),
+    "megamoe_shared_open": (ctypes.c_int, [ctypes.c_int32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "megamoe_shared_close": (ctypes.c_int, [ctypes.c_int32, ctypes.c_void_p]),
+    "megamoe_copy_async": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     "megamoe_combine_peers_bf16": (ctypes.c_int, [
         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),

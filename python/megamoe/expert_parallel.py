@@ -65,9 +65,9 @@ def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
     check_fused_support(xs[0], w13_shape[2], w13_shape[1] // 2)
 
 
-def pointer_table(tensors):
-    """A host array of the tensors' device pointers: the peer tables the pull kernels take."""
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+def pointer_table(buffers):
+    """A host array of device pointers (of tensors, or addresses): the peer tables the pull kernels take."""
+    return (ctypes.c_void_p * len(buffers))(*(b if isinstance(b, int) else b.data_ptr() for b in buffers))
 
 
 def pull_rows(plan, rows_table, route_offsets, like: torch.Tensor, weights_table=None):

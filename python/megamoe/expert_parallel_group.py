@@ -17,9 +17,9 @@ here the ranks are processes, the peer tables point into the other ranks' memory
 
 Shared buffers are written only where no peer can still read them: the rows before barrier 1 (peers
 read them before barrier 2 of the previous call), the plan table and the out pool after barrier 1
-(peers read them after barrier 2 of the previous call). The buffers are allocated by this module
-with the caching allocator and mapped into the peers through CUDA IPC (torch.multiprocessing's
-handles), once per size; they grow, never shrink, at a point where no kernel of any rank is in
+(peers read them after barrier 2 of the previous call). Each shared buffer is a cudaMalloc of its
+own (megamoe_shared_alloc), mapped into every peer through its CUDA IPC handle, opened on the peer's
+own GPU; the buffers grow, never shrink, at a point where no kernel of any rank is in
 flight. Ranks on different GPUs need peer access between them (NVLink or PCIe P2P) and processes
 that see every GPU of the group under the same numbering; W processes may also share one GPU.
 
@@ -56,8 +56,25 @@ def _timeout_ns() -> int:
     return int(float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", "120")) * 1e9)
 
 
+class _SharedBuffer:
+    """Memory of this rank that its peers map (megamoe_shared_alloc: a cudaMalloc of its own, with a
+    CUDA IPC handle), seen by torch through the CUDA array interface; freed with the last tensor
+    that views it."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device, self.ptr = device.index, ctypes.c_void_p()
+        self.handle = ctypes.create_string_buffer(_native.IPC_HANDLE_BYTES)
+        _native.check(_native.library().megamoe_shared_alloc(self.device, nbytes, ctypes.byref(self.ptr),
+                                                             self.handle), "expert-parallel shared buffer")
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr.value, False),
+                                         "strides": None, "stream": None, "version": 3}
+
+    def __del__(self):
+        _native.library().megamoe_shared_free(self.device, self.ptr)
+
+
 class _Workspace:
-    """One process group's shared buffers, their peer tables and the barrier's signals."""
+    """One process group's shared buffers, their peers' mappings and the barrier's signals."""
 
     def __init__(self, group, device: torch.device):
         import torch.distributed as dist
@@ -66,23 +83,51 @@ class _Workspace:
         if self.world > _native.MAX_PEERS:
             raise ValueError(f"expert parallelism runs up to {_native.MAX_PEERS} ranks per group, this group has "
                              f"{self.world}")
-        self.buffers: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.signals, signal_peers = self._share(torch.zeros(self.world, dtype=torch.int32, device=device))
-        self.signal_table = pointer_table(signal_peers)
-        with torch.cuda.device(device):  # kernels here dereference the peers' memory on their GPUs
-            for peer_device in sorted({t.device.index for t in signal_peers} - {device.index}):
-                _native.check(_native.library().megamoe_enable_peer_access(peer_device),
-                              f"expert parallelism between cuda:{device.index} and cuda:{peer_device}")
+        self.buffers: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        self.peer_devices: set[int] = set()
+        signals, signal_ptrs = self._share(self.world, torch.int32, zero=True)
+        self.signals, self.signal_table = signals, pointer_table(signal_ptrs)
         self.status = torch.zeros(2 * len(_PHASES), dtype=torch.int32, device=device)
         self.epoch = 0
 
-    def _share(self, tensor: torch.Tensor):
-        """(tensor, every rank's tensor mapped here): a collective over the group."""
-        from torch.multiprocessing.reductions import reduce_tensor
-        handles = [None] * self.world
-        self.dist.all_gather_object(handles, reduce_tensor(tensor), group=self.group)
-        peers = [tensor if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(handles)]
-        return tensor, peers
+    def _share(self, numel: int, dtype: torch.dtype, zero: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """(a new buffer of this rank, every rank's buffer as a pointer valid here): a collective."""
+        buffer = _SharedBuffer(numel * dtype.itemsize, self.device)
+        mine = (buffer.handle.raw, self.device.index)
+        local = torch.as_tensor(buffer, device=self.device).view(dtype)
+        if zero:  # before any peer can write into it
+            local.zero_()
+            torch.cuda.synchronize(self.device)
+        shared = [None] * self.world
+        self.dist.all_gather_object(shared, mine, group=self.group)
+        ptrs = []
+        for r, (handle, peer_device) in enumerate(shared):
+            if r == self.rank:
+                ptrs.append(local.data_ptr())
+                continue
+            self._enable_peer_access(peer_device)
+            ptr = ctypes.c_void_p()
+            _native.check(_native.library().megamoe_shared_open(self.device.index, handle, ctypes.byref(ptr)),
+                          f"expert parallelism: mapping rank {r}'s memory on cuda:{self.device.index}")
+            ptrs.append(ptr.value)
+        return local, ptrs
+
+    def _unmap(self, name: str) -> None:
+        """Closes this rank's mappings of the peers' buffer `name` and drops its own."""
+        _, ptrs = self.buffers.pop(name)
+        for r, ptr in enumerate(ptrs):
+            if r != self.rank:
+                _native.check(_native.library().megamoe_shared_close(self.device.index, ptr),
+                              f"expert parallelism: unmapping rank {r}'s memory")
+
+    def _enable_peer_access(self, peer_device: int) -> None:
+        """Checks (once per GPU) that this GPU can reach the peer's, with a clear error if not."""
+        if peer_device == self.device.index or peer_device in self.peer_devices:
+            return
+        with torch.cuda.device(self.device):
+            _native.check(_native.library().megamoe_enable_peer_access(peer_device),
+                          f"expert parallelism between cuda:{self.device.index} and cuda:{peer_device}")
+        self.peer_devices.add(peer_device)
 
     def reserve(self, sizes: dict[str, tuple[int, torch.dtype]]) -> None:
         """Makes every buffer hold at least its size. Every rank passes the same sizes (they follow from
@@ -95,9 +140,9 @@ class _Workspace:
         torch.cuda.synchronize(self.device)
         self.dist.barrier(group=self.group)
         for name, (numel, dtype) in sorted(grow.items()):
-            self.buffers.pop(name, None)
-            local = torch.empty(max(1, int(numel * _GROWTH)), dtype=dtype, device=self.device)
-            self.buffers[name] = self._share(local)
+            if name in self.buffers:
+                self._unmap(name)
+            self.buffers[name] = self._share(max(1, int(numel * _GROWTH)), dtype)
 
     def local(self, name: str, numel: int) -> torch.Tensor:
         return self.buffers[name][0][:numel]
@@ -105,8 +150,12 @@ class _Workspace:
     def table(self, name: str):
         return pointer_table(self.buffers[name][1])
 
-    def peer(self, name: str, r: int) -> torch.Tensor:
-        return self.buffers[name][1][r]
+    def copy_from_peer(self, out: torch.Tensor, name: str, r: int, offset: int) -> None:
+        """out = rank r's buffer `name` from element `offset` on, queued on the current stream."""
+        itemsize = out.element_size()
+        _native.check(_native.library().megamoe_copy_async(
+            out.data_ptr(), self.buffers[name][1][r] + offset * itemsize, out.numel() * itemsize,
+            _native.stream(self.device)), f"expert parallelism: reading rank {r}'s {name}")
 
     def barrier(self, phase: int) -> None:
         """Phase 1 or 2 of the current call, queued on the current stream."""
@@ -233,7 +282,10 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
-    dp = sum(ws.peer("dp", d)[begin:end].to(dy.device) for d in range(ws.world))
+    dps = torch.empty(ws.world, end - begin, dtype=torch.float32, device=dy.device)
+    for d in range(ws.world):
+        ws.copy_from_peer(dps[d], "dp", d, begin)
+    dp = dps.sum(0)
     ws.raise_if_timed_out()
     return dx, dp.view(topk_weights.shape).to(topk_weights.dtype), dw13, dw2
 

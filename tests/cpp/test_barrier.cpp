@@ -112,4 +112,31 @@ TEST(PeerAccess, OwnDeviceIsAccessibleAndBadDevicesAreRejected) {
   }
 }
 
+TEST(SharedMemory, AllocatesExportsCopiesAndRejectsBadArguments) {
+  void* ptr = nullptr;
+  char handle[MEGAMOE_IPC_HANDLE_BYTES] = {};
+  if (cuda_devices() == 0) {
+    EXPECT_NE(megamoe_shared_alloc(0, 64, &ptr, handle), MEGAMOE_OK);  // no device: an error, not a crash
+    return;
+  }
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  expect_rejected(megamoe_shared_alloc(-1, 64, &ptr, handle), "device must be in");
+  expect_rejected(megamoe_shared_alloc(device, 0, &ptr, handle), "bytes must be > 0");
+  expect_rejected(megamoe_shared_alloc(device, 64, nullptr, handle), "must be non-null");
+  expect_rejected(megamoe_shared_open(cuda_devices(), handle, &ptr), "device must be in");
+  expect_rejected(megamoe_copy_async(nullptr, handle, 8, nullptr), "must be non-null");
+  ASSERT_EQ(megamoe_shared_alloc(device, 64, &ptr, handle), MEGAMOE_OK) << megamoe_last_error();
+  EXPECT_NE(std::string(handle, sizeof(handle)), std::string(sizeof(handle), '\0'));  // a handle was written
+  const std::vector<int32_t> values = {1, 2, 3, 4};
+  DeviceBuffer<int32_t> source(4), copy(4);
+  ASSERT_EQ(cudaMemcpy(source.ptr, values.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(megamoe_copy_async(ptr, source.ptr, 16, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  ASSERT_EQ(megamoe_copy_async(copy.ptr, ptr, 16, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  std::vector<int32_t> back(4);
+  ASSERT_EQ(cudaMemcpy(back.data(), copy.ptr, 16, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(back, values);
+  EXPECT_EQ(megamoe_shared_free(device, ptr), MEGAMOE_OK) << megamoe_last_error();
+}
+
 }  // namespace

@@ -3,6 +3,7 @@ tests run W processes, on one GPU (gloo group) and, where there are several, one
 group, peer access between the GPUs); every rank's output and gradients must equal, bit for bit,
 the single-rank fused layer on the whole problem."""
 
+import json
 import os
 
 import pytest
@@ -103,3 +104,20 @@ def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
     xs, ids, weights, w13s, w2s, _ = _problem([8], 4, "cpu")
     with pytest.raises(error, match=match):
         megamoe.moe(xs[0], ids[0], weights[0], w13s[0], w2s[0], group=world_of_one, **kwargs)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+def test_ep_bench_runs_on_one_gpu(tmp_path):
+    from megamoe.bench import ep
+    assert ep.main(["--preset", "tiny", "--tokens", "256", "--one-gpu", "--warmup", "1", "--repeat", "2",
+                    "--out", str(tmp_path)]) == 0
+    (record,) = json.loads((tmp_path / "ep_latest.json").read_text())["records"]
+    assert record["world"] == 2
+    assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms"))
+
+
+def test_ep_bench_checks_its_world_before_starting(tmp_path):
+    from megamoe.bench import ep
+    with pytest.raises(SystemExit):
+        ep.main(["--preset", "tiny", "--world", "64", "--out", str(tmp_path)])

@@ -119,10 +119,23 @@ int megamoe_barrier(void* const* signal_peers, int32_t world, int32_t rank, int3
                     int64_t timeout_ns, int32_t* status, void* stream);
 int megamoe_barrier_check(const int32_t* status, int32_t rank, int64_t timeout_ns);
 
-// Lets kernels on the current device dereference pointers into peer_device's memory (the other ranks'
-// buffers mapped from CUDA IPC handles): MEGAMOE_OK when already on or peer_device is this device;
-// MEGAMOE_ERROR_INVALID_ARGUMENT, with the reason, when the two GPUs have no peer-to-peer path.
+// Lets kernels on the current device dereference pointers into peer_device's memory: MEGAMOE_OK when
+// already on or peer_device is this device; MEGAMOE_ERROR_INVALID_ARGUMENT, with the reason, when the
+// two GPUs have no peer-to-peer path.
 int megamoe_enable_peer_access(int32_t peer_device);
+
+// Shared memory of an expert-parallel group. megamoe_shared_alloc allocates `bytes` on `device` (a
+// cudaMalloc of its own) and writes its CUDA IPC handle (MEGAMOE_IPC_HANDLE_BYTES) for the other
+// ranks; megamoe_shared_open, in another process, maps that memory into `device`'s address space (the
+// caller's own GPU, so that its kernels can read and write it). Each mapping is closed with
+// megamoe_shared_close and each allocation freed with megamoe_shared_free, on the same device.
+#define MEGAMOE_IPC_HANDLE_BYTES 64
+int megamoe_shared_alloc(int32_t device, int64_t bytes, void** ptr, void* ipc_handle);
+int megamoe_shared_free(int32_t device, void* ptr);
+int megamoe_shared_open(int32_t device, const void* ipc_handle, void** ptr);
+int megamoe_shared_close(int32_t device, void* ptr);
+// Copies `bytes` between any two device pointers (a peer's mapped memory included), queued on `stream`.
+int megamoe_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM over a routing plan's expert-major pool (persistent, warp-specialised, sm_90a).

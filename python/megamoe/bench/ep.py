@@ -1,0 +1,141 @@
+"""Expert-parallel mode: the fused layer over a process group of W ranks against the same layer on
+one GPU, for one global batch of tokens.
+
+    python -m megamoe.bench.ep [--preset ...] [--tokens ...] [--world W] [--one-gpu] [--out DIR]
+
+W processes are started, one per GPU (NCCL group) or, with --one-gpu, all on GPU 0 (gloo group:
+a check of the path, not a speed figure, since the processes take turns on the GPU). Each rank
+routes tokens / W tokens over all E experts and holds E / W of them. Every rank times the same
+fixed number of iterations (the calls are collective); a layer's time is the slowest rank's median.
+Rank 0 first times the single-GPU fused layer on the whole batch with the same routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megamoe
+from megamoe.shapes import PRESETS, ROUTINGS, make_routing
+
+from .report import git_commit
+from .timing import Budget, Device, measure
+
+_FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
+
+
+def _problem(shape, tokens: int, routing: str, device: torch.device):
+    """The whole batch and layer, the same in every process (seeded generators)."""
+    ids, weights = make_routing(tokens, shape.num_experts, shape.top_k, routing,
+                                generator=torch.Generator().manual_seed(0))
+    g = torch.Generator(device).manual_seed(0)
+    h, i, e = shape.hidden_size, shape.intermediate_size, shape.num_experts
+    x = torch.randn(tokens, h, generator=g, device=device).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g, device=device) / i**0.5).to(torch.bfloat16)
+    return x, ids.to(device), weights.to(device), w13, w2
+
+
+def _time(fn, params: list[torch.Tensor], dy: torch.Tensor, device: Device, budget: Budget) -> dict:
+    """fwd (no_grad) and fwd+bwd medians of fn() -> y in ms; params' gradients dropped between runs."""
+    def forward(_):
+        with torch.no_grad():
+            fn()
+
+    def forward_backward(_):
+        fn().backward(dy)
+
+    def reset():
+        for p in params:
+            p.grad = None
+
+    return {"fwd_ms": measure(forward, reset, device, budget).median_ms,
+            "fwdbwd_ms": measure(forward_backward, reset, device, budget).median_ms}
+
+
+def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
+    dist.init_process_group("gloo" if args.one_gpu else "nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    cuda = torch.device("cuda", 0 if args.one_gpu else rank)
+    torch.cuda.set_device(cuda)
+    device, budget = Device(cuda), Budget(warmup=args.warmup, repeat=args.repeat, seconds=_FIXED)
+    records = []
+    for preset in args.preset:
+        shape = PRESETS[preset]
+        for tokens in args.tokens:
+            for routing in args.routing:
+                x, ids, weights, w13, w2 = _problem(shape, tokens, routing, cuda)
+                dy = torch.randn_like(x)
+                record = {"preset": preset, "tokens": tokens, "routing": routing, "world": world}
+                if rank == 0:
+                    params = [t.requires_grad_() for t in (x.clone(), weights.clone(), w13.clone(), w2.clone())]
+                    one = _time(lambda: megamoe.moe(params[0], ids, *params[1:]), params, dy, device, budget)
+                    record.update({f"one_gpu_{k}": v for k, v in one.items()})
+                dist.barrier()
+                tokens_r, local = tokens // world, shape.num_experts // world
+                mine, experts = slice(rank * tokens_r, (rank + 1) * tokens_r), slice(rank * local, (rank + 1) * local)
+                params = [t[part].clone().requires_grad_() for t, part in
+                          ((x, mine), (weights, mine), (w13, experts), (w2, experts))]
+                ep = _time(lambda: megamoe.moe(params[0], ids[mine], *params[1:], group=dist.group.WORLD), params,
+                           dy[mine], device, budget)
+                slowest = [None] * world
+                dist.all_gather_object(slowest, ep)
+                record.update({k: max(r[k] for r in slowest) for k in ep})
+                records.append(record)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"gpu": device.name(), "records": records}))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe.bench.ep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16384])
+    parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 with --one-gpu)")
+    parser.add_argument("--one-gpu", action="store_true", help="all ranks on GPU 0 (checks the path, not its speed)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    world = args.world or (2 if args.one_gpu else gpus)
+    if gpus == 0:
+        parser.error("needs a CUDA GPU")
+    if not args.one_gpu and not 2 <= world <= gpus:
+        parser.error(f"--world {world} needs that many GPUs (this machine has {gpus}); "
+                     "--one-gpu runs every rank on GPU 0")
+    for preset in args.preset:
+        shape = PRESETS[preset]
+        if shape.num_experts % world or any(t % world for t in args.tokens):
+            parser.error(f"{preset}: E = {shape.num_experts} and every --tokens must be divisible by W = {world}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result_path = args.out / "ep_latest.json"
+    mp.spawn(_rank, args=(world, str(args.out / ".ep_store"), args, str(result_path)), nprocs=world, join=True)
+    (args.out / ".ep_store").unlink(missing_ok=True)
+    result = json.loads(result_path.read_text())
+    result.update({"commit": git_commit(), "torch": torch.__version__, "one_gpu": args.one_gpu,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "command": "python -m megamoe.bench.ep " + " ".join(sys.argv[1:] if argv is None else argv)})
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'preset':16} {'tokens':>6} {'routing':9} {'W':>2} {'1 GPU fwd':>10} {'fwd+bwd':>8} "
+          f"{'EP fwd':>8} {'fwd+bwd':>8}")
+    for r in result["records"]:
+        print(f"{r['preset']:16} {r['tokens']:>6} {r['routing']:9} {r['world']:>2} {r['one_gpu_fwd_ms']:10.2f} "
+              f"{r['one_gpu_fwdbwd_ms']:8.2f} {r['fwd_ms']:8.2f} {r['fwdbwd_ms']:8.2f}")
+    print(f"wrote {result_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
