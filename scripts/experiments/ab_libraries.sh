@@ -3,14 +3,20 @@
 # /tmp/b_<name> (kept while the machine stays warm) and benchmarked with its own Python package, in
 # the order given, twice (ABAB), so drift shows. Carry .whl and scratch (both ignored by git).
 #   bash scripts/experiments/ab_libraries.sh <name> ... [-- <megamoe.bench args>]
+# AB_MODULE=megamoe.bench.profile compares kernel by kernel instead (args: that module's, e.g.
+# -- --preset qwen3-30b-a3b --mode fwdbwd --iterations 10); it prints each profile's head.
 set -u
+module=${AB_MODULE:-megamoe.bench}
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift
-bench_args=${*:-"--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd --warmup 2 --repeat 10 --budget 0.5"}
+default_args="--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd --warmup 2 --repeat 10 --budget 0.5"
+[ "$module" = megamoe.bench ] || default_args=""
+bench_args=${*:-$default_args}
 bash "$(dirname "$0")/build_libraries.sh" "${names[@]}"
 for round in 1 2; do
   for n in "${names[@]}"; do
     echo "== $n (round $round)"
     MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
-      timeout 200 python3 -m megamoe.bench $bench_args --out $OUT/$n-$round 2>&1 | grep "│"
+      timeout 200 python3 -m $module $bench_args --out $OUT/$n-$round 2>&1 |
+      if [ "$module" = megamoe.bench ]; then grep "│"; else head -12; fi
   done
 done
