@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run_plan(plan, device)
     fill_derived(records, peaks.bf16_tflops)
     settings = {"device": args.device, "warmup": args.warmup, "repeat": args.repeat, "budget_s": args.budget}
-    result = build_result(records, peaks, device.name(), "python -m megamoe.bench " + shlex.join(argv), settings)
+    result = build_result(records, peaks, device.name(), argv, settings)
     paths = write_json(result, args.out)
     print_table(result)
     if args.plot:

@@ -13,7 +13,6 @@ Rank 0 first times the single-GPU fused layer on the whole batch with the same r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
-from .report import git_commit
+from .report import provenance
 from .timing import Budget, Device, measure
 
 _FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
@@ -124,9 +123,7 @@ def main(argv=None) -> int:
     mp.spawn(_rank, args=(world, str(args.out / ".ep_store"), args, str(result_path)), nprocs=world, join=True)
     (args.out / ".ep_store").unlink(missing_ok=True)
     result = json.loads(result_path.read_text())
-    result.update({"commit": git_commit(), "torch": torch.__version__, "one_gpu": args.one_gpu,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "command": "python -m megamoe.bench.ep " + " ".join(sys.argv[1:] if argv is None else argv)})
+    result.update({**provenance(result["gpu"], "megamoe.bench.ep", argv), "one_gpu": args.one_gpu})
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'preset':16} {'tokens':>6} {'routing':9} {'W':>2} {'1 GPU fwd':>10} {'fwd+bwd':>8} "
           f"{'EP fwd':>8} {'fwd+bwd':>8}")

@@ -9,7 +9,6 @@ TFLOPS count the real routed rows only (2·N·K per route), so padding is charge
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
-from .report import git_commit
+from .report import provenance
 from .timing import Budget, Device, measure
 
 
@@ -74,10 +73,7 @@ def main(argv=None) -> int:
     budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=2.0)
     records = [r for p in args.preset for t in args.tokens for rt in args.routing
                for r in bench_one(p, t, rt, device, budget)]
-    result = {"gpu": device.name(), "commit": git_commit(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m megamoe.bench.gemm " + " ".join(sys.argv[1:] if argv is None else argv),
-              "records": records}
+    result = {**provenance(device.name(), "megamoe.bench.gemm", argv), "records": records}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gemm_latest.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

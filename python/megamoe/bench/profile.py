@@ -23,7 +23,7 @@ from megamoe.shapes import PRESETS, make_inputs
 
 from . import backends, runner
 from .record import MODES
-from .report import git_commit
+from .report import provenance
 
 NAME_WIDTH = 90
 GAPS_SHOWN = 12
@@ -106,10 +106,9 @@ def main(argv=None) -> int:
     print(f"GPU idle between kernels: {idle:.1f} µs per iteration; the largest gaps:")
     for (before, after), us in gaps[:GAPS_SHOWN]:
         print(f"{us:9.1f} µs  {short_name(before)[:60]} → {short_name(after)[:60]}")
-    result = {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
+    result = {**provenance(torch.cuda.get_device_name(), "megamoe.bench.profile", argv),
               "preset": args.preset, "tokens": args.tokens, "backend": args.backend,
               "precision": args.precision, "mode": args.mode, "kernel_ms_per_iteration": total / 1e3,
-              "command": "python -m megamoe.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv),
               "kernels": [{"name": name, "launches": count, "us": us} for name, (us, count) in rows],
               "idle_us_per_iteration": idle,
               "idle_gaps": [{"before": before, "after": after, "us": us} for (before, after), us in gaps]}

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +17,26 @@ from .peak import Peaks
 from .record import Record
 
 
-def build_result(records: list[Record], peaks: Peaks, gpu: str, command: str, settings: dict) -> dict:
+def build_result(records: list[Record], peaks: Peaks, gpu: str, argv: list[str], settings: dict) -> dict:
     return {
-        "gpu": gpu,
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(gpu, "megamoe.bench", argv),
         "peak_bf16_tflops": peaks.bf16_tflops,
         "peak_fp8_tflops": peaks.fp8_tflops,
         "peak_gemm_size": peaks.gemm_size,
-        "torch": torch.__version__,
-        "command": command,
         "settings": settings,
         "records": [dataclasses.asdict(r) for r in records],
     }
+
+
+def provenance(gpu: str, module: str | None = None, argv: list[str] | None = None) -> dict:
+    """Where and how a result was measured: GPU, commit, UTC date, torch version and, for a module run
+    from the command line, the command (`python -m <module> <argv>`; argv None: this process's)."""
+    result = {"gpu": gpu, "commit": git_commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__}
+    if module is not None:
+        result["command"] = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return result
 
 
 def git_commit() -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import statistics
 import sys
 import time
@@ -118,8 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         parser.error(str(error))
     tokens = config.train.batch_size * config.train.seq_len
-    result = {**environment(resolve_device(config)),
-              "command": "python -m megamoe.train.bench " + shlex.join(argv),
+    result = {**environment(resolve_device(config), "megamoe.train.bench", argv),
               "config": config.to_dict(), "tokens_per_step": tokens, "warmup": args.warmup, "steps": args.steps,
               "records": [dataclasses.asdict(r) for r in records]}
     path = write_result(result, args.out, "train")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -137,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comparisons = [compare(c, reference) for c in curves[2:] if not c.skipped]
     for comparison in comparisons:
         judge(comparison, noise["mean_smoothed_rel_gap"], len(reference.losses))
-    result = {**environment(resolve_device(config)),
-              "command": "python -m megamoe.train.parity " + shlex.join(argv), "config": config.to_dict(),
+    result = {**environment(resolve_device(config), "megamoe.train.parity", argv), "config": config.to_dict(),
               "criteria": {"step1_tolerance": STEP1_TOLERANCE, "floor_factor": FLOOR_FACTOR,
                            "min_tolerance": MIN_TOLERANCE, "smoothing": SMOOTHING, "perturbation": PERTURBATION},
               "noise_floor": noise, "comparisons": comparisons, "curves": [dataclasses.asdict(c) for c in curves]}

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
 import torch
 
-from megamoe.bench.report import git_commit
+from megamoe.bench.report import provenance
 from megamoe.bench.timing import Device
 
 
-def environment(device: torch.device) -> dict[str, str]:
+def environment(device: torch.device, module: str, argv: list[str]) -> dict[str, str]:
+    """provenance() of a training result, and the transformers version."""
     try:
         import transformers
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = "not installed"
-    return {"gpu": Device(device).name(), "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "transformers": transformers_version}
+    return {**provenance(Device(device).name(), module, argv), "transformers": transformers_version}
 
 
 def write_result(result: dict, out_dir: Path, name: str) -> Path:
