@@ -34,14 +34,21 @@ class DeviceScope {
   bool entered_ = false;
 };
 
-// Runs call() with `device` current, after checking that it exists.
-template <typename Call>
-int on_device(const std::string& fn, int32_t device, Call call) {
+// MEGAMOE_OK when `device` (an argument called `name`) is a device of this process.
+int check_device(const std::string& fn, const char* name, int32_t device) {
   int count = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
   if (device < 0 || device >= count) {
-    return invalid_argument(fn + "device must be in [0, " + std::to_string(count) + "), got " + std::to_string(device));
+    return invalid_argument(fn + name + " must be in [0, " + std::to_string(count) + "), got " +
+                            std::to_string(device));
   }
+  return MEGAMOE_OK;
+}
+
+// Runs call() with `device` current, after checking that it exists.
+template <typename Call>
+int on_device(const std::string& fn, int32_t device, Call call) {
+  if (int s = check_device(fn, "device", device); s != MEGAMOE_OK) return s;
   DeviceScope scope;
   if (int s = scope.enter(device); s != MEGAMOE_OK) return s;
   return call();
@@ -53,12 +60,8 @@ int on_device(const std::string& fn, int32_t device, Call call) {
 extern "C" int megamoe_enable_peer_access(int32_t peer_device) {
   using namespace megamoe;
   const std::string fn = "megamoe_enable_peer_access: ";
-  int device = 0, count = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
-  if (peer_device < 0 || peer_device >= count) {
-    return invalid_argument(fn + "peer_device must be in [0, " + std::to_string(count) + "), got " +
-                            std::to_string(peer_device));
-  }
+  if (int s = check_device(fn, "peer_device", peer_device); s != MEGAMOE_OK) return s;
+  int device = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (peer_device == device) return MEGAMOE_OK;
   int can_access = 0;

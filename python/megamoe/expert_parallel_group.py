@@ -84,9 +84,8 @@ class _Workspace:
             raise ValueError(f"expert parallelism runs up to {_native.MAX_PEERS} ranks per group, this group has "
                              f"{self.world}")
         self.buffers: dict[str, tuple[torch.Tensor, list[int]]] = {}
-        self.peer_devices: set[int] = set()
-        signals, signal_ptrs = self._share(self.world, torch.int32, zero=True)
-        self.signals, self.signal_table = signals, pointer_table(signal_ptrs)
+        self.signals, signal_ptrs = self._share(self.world, torch.int32, zero=True)
+        self.signal_table = pointer_table(signal_ptrs)
         self.status = torch.zeros(2 * len(_PHASES), dtype=torch.int32, device=device)
         self.epoch = 0
 
@@ -121,13 +120,10 @@ class _Workspace:
                               f"expert parallelism: unmapping rank {r}'s memory")
 
     def _enable_peer_access(self, peer_device: int) -> None:
-        """Checks (once per GPU) that this GPU can reach the peer's, with a clear error if not."""
-        if peer_device == self.device.index or peer_device in self.peer_devices:
-            return
+        """Checks that this GPU can reach the peer's, with a clear error if not (a no-op once it can)."""
         with torch.cuda.device(self.device):
             _native.check(_native.library().megamoe_enable_peer_access(peer_device),
                           f"expert parallelism between cuda:{self.device.index} and cuda:{peer_device}")
-        self.peer_devices.add(peer_device)
 
     def reserve(self, sizes: dict[str, tuple[int, torch.dtype]]) -> None:
         """Makes every buffer hold at least its size. Every rank passes the same sizes (they follow from
