@@ -28,8 +28,11 @@ constexpr int kMathRegisters = 232;
 // Epilogue: each math warpgroup stores its 64 rows in 64-column chunks (128-byte rows, so the
 // chunk can use the 128B swizzle: conflict-free stmatrix, and TMA undoes the swizzle on the way
 // out). Two chunk buffers per warpgroup let one TMA store drain while the next chunk is written.
+// Each warp stores its own 16 rows of a chunk (one TMA box per warp), so the warps of a warpgroup
+// never wait for each other in the epilogue.
 constexpr int kEpiCols = 64;
 constexpr int kEpiBuffers = 2;
+constexpr int kWarpRows = kWarpgroupRows / 4;  // rows of a warpgroup's fragment held by one warp
 constexpr int kEpiChunkBytes = kWarpgroupRows * kEpiCols * 2;  // 8 KB
 
 // sm_90 opt-in limit of dynamic shared memory per block (227 KB).

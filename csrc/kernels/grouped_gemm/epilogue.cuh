@@ -76,25 +76,29 @@ __device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_
   }
 }
 
-// Stores fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by TMA.
+// Stores fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by TMA, each
+// warp its own 16 rows (tma_c has 16-row boxes): stage_chunk writes only the warp's rows of the
+// chunk buffer, so a warp needs no other warp before it stages or issues its store.
 template <int Chunks, int N, class Smem>
 __device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CUtensorMap* tma_c, const Smem& smem,
                                                  int warpgroup, int row0, int col0, bool zero = false) {
   static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   static_assert(Chunks * kEpiCols * kWarpgroupRows <= N * 128, "more columns than the fragment holds");
-  const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
+  const int warp = (threadIdx.x / 32) % 4;
+  const bool leader = threadIdx.x % 32 == 0;  // issues and tracks this warp's TMA stores
 #pragma unroll
   for (int c = 0; c < Chunks; ++c) {
     uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
-    // The store that last read this buffer was issued kEpiBuffers chunks ago (possibly in the
-    // previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
+    // The store that last read this warp's rows of the buffer was issued kEpiBuffers chunks ago
+    // (possibly in the previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
     if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
-    warpgroup_sync(warpgroup);
+    __syncwarp();
     stage_chunk(acc, c, chunk, zero);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
-    warpgroup_sync(warpgroup);
+    __syncwarp();
     if (leader) {
-      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk, col0 + c * kEpiCols, row0);
+      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols,
+                                    row0 + warp * kWarpRows);
       cute::tma_store_arrive();
     }
   }
@@ -124,12 +128,13 @@ __device__ __forceinline__ void load_packed_pair(uint32_t (&v)[4], uint8_t* chun
                                 v[2], v[3]);
 }
 
-// Before the CTA exits, its last stores must have finished reading shared memory.
+// Before the CTA exits, its last stores must have finished reading shared memory (every thread
+// that issued stores waits for its own).
 __device__ __forceinline__ void drain_stores() {
-  if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+  if (threadIdx.x % 32 == 0) cute::tma_store_wait<0>();
 }
 
-// C[128 b.., n-tile..] = the tile, through a TMA map of C with 64 x 64 boxes.
+// C[128 b.., n-tile..] = the tile, through a TMA map of C with 16-row x 64-column boxes.
 template <int BlockN>
 struct PlainEpilogue {
   using Cfg = Config<BlockN>;

@@ -6,12 +6,13 @@
 // row (one 128-byte row segment, contiguous and 128-byte aligned in global memory) and a warp
 // covers 4 rows, so every st.global.v4 of a warp writes 4 whole 128-byte lines; the shared reads
 // of 8 threads cover one 128-byte row, all 32 banks (conflict-free whatever the swizzle).
-// 128 threads cover 16 rows per pass, 4 passes per chunk; each thread's 4 routes are loaded before
-// the tile's main loop. Padding rows (route -1) and routes >= num_out_rows are skipped.
+// Each warp reads back only the 16 rows it staged, 4 per pass, 4 passes per chunk, so the warps of
+// a warpgroup never wait for each other; each thread's 4 routes are loaded before the tile's main
+// loop. Padding rows (route -1) and routes >= num_out_rows are skipped.
 //
-// Buffer reuse: chunk c + 2 overwrites chunk c's buffer only after the barrier of chunk c + 1, which
-// every thread reaches after its reads of chunk c; chunks per tile are even, so this holds across
-// tiles. Generic-proxy writes and reads: bar.sync orders them, no async-proxy fence.
+// Buffer reuse: chunk c + 2 overwrites chunk c's buffer only after the warp's __syncwarp of chunk
+// c + 1, which each of its threads reaches after its reads of chunk c; chunks per tile are even, so
+// this holds across tiles. Generic-proxy writes and reads: __syncwarp orders them, no async-proxy fence.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,9 +35,9 @@ template <int BlockN, Major BMajor = Major::K>
 struct ScatterEpilogue {
   using Cfg = Config<BlockN, 1, Major::K, BMajor>;
   static constexpr int kChunks = BlockN / kEpiCols;
-  static constexpr int kPieces = kEpiCols * 2 / 16;            // 16-byte pieces per chunk row: 8
-  static constexpr int kRowsPerPass = 128 / kPieces;           // 16
-  static constexpr int kPasses = kWarpgroupRows / kRowsPerPass;  // 4
+  static constexpr int kPieces = kEpiCols * 2 / 16;         // 16-byte pieces per chunk row: 8
+  static constexpr int kRowsPerPass = 32 / kPieces;         // 4 per warp
+  static constexpr int kPasses = kWarpRows / kRowsPerPass;  // 4
   static_assert(kChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   struct Params {
     __nv_bfloat16* out;            // [num_out_rows, ld]
@@ -48,9 +49,14 @@ struct ScatterEpilogue {
     int32_t route[kPasses];  // output row of each pass's row, or -1: not written
   };
 
+  // This thread's row of pass 0 within the warpgroup's 64: its warp's 16 rows, 4 per pass.
+  __device__ static int first_row() {
+    return (int(threadIdx.x) / 32) % 4 * kWarpRows + int(threadIdx.x) % 32 / kPieces;
+  }
+
   __device__ static void prefetch(const Params&) {}
   __device__ static Rows prepare(const Params& p, const PoolTile& t, int warpgroup) {
-    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows + int(threadIdx.x % 128) / kPieces;
+    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows + first_row();
     Rows r;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -61,17 +67,16 @@ struct ScatterEpilogue {
   }
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
                                const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& tile, const Rows& rows) {
-    const int t = int(threadIdx.x % 128);
-    const int piece = t % kPieces;
+    const int piece = int(threadIdx.x) % kPieces;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
       stage_chunk(acc, c, chunk);
-      warpgroup_sync(warpgroup);
+      __syncwarp();
       const int col = tile.n_tile * BlockN + c * kEpiCols + piece * 8;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        const int row = pass * kRowsPerPass + t / kPieces;
+        const int row = first_row() + pass * kRowsPerPass;
         if (rows.route[pass] >= 0) {
           const uint4 v = load_shared_16(chunk + row * kSwizzleBytes + ((piece ^ (row % 8)) * 16));
           *reinterpret_cast<uint4*>(p.out + int64_t(rows.route[pass]) * p.ld + col) = v;

@@ -23,8 +23,8 @@ struct SwigluEpilogue {
   static constexpr int kHCols = Cfg::kBlockN / 2;  // h columns per tile
   static constexpr int kHalf = Cfg::kAccumulators / 2;
   struct Params {
-    CUtensorMap h;  // [max_blocks * 128, I], 64 x 64 boxes
-    CUtensorMap z;  // [max_blocks * 128, 2I], 64 x 64 boxes (KeepZ only)
+    CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
+    CUtensorMap z;  // [max_blocks * 128, 2I], 16-row x 64-column boxes (KeepZ only)
     int intermediate;
   };
   struct Rows {};

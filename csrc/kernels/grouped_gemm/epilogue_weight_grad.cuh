@@ -17,7 +17,7 @@ template <int BlockN, bool Fp32>
 struct WeightGradEpilogue {
   using Cfg = Config<BlockN, 1, Major::MN, Major::MN>;
   struct Params {
-    CUtensorMap c;  // bf16: out as [E * M, N], 64 x 64 boxes (unused for fp32)
+    CUtensorMap c;  // bf16: out as [E * M, N], 16-row x 64-column boxes (unused for fp32)
     float* out;     // fp32: [E, M, N]
     int m, n;
     int accumulate;  // fp32 only: out += tile

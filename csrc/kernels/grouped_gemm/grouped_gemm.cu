@@ -34,12 +34,12 @@ extern "C" int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, 
   const BRows b_rows{n, 0};
   if (block_n == 256) {
     PlainEpilogue<256>::Params epi;
-    if (int s = make_tensor_map(&epi.c, c, rows, uint64_t(n), kWarpgroupRows, fn, "C"); s != MEGAMOE_OK) return s;
+    if (int s = make_tensor_map(&epi.c, c, rows, uint64_t(n), kWarpRows, fn, "C"); s != MEGAMOE_OK) return s;
     return launch_pool<PlainEpilogue<256>>(map_a, map_b, epi, block_expert, num_blocks, max_blocks, n / 256, b_rows, k,
                                       stream);
   }
   PlainEpilogue<128>::Params epi;
-  if (int s = make_tensor_map(&epi.c, c, rows, uint64_t(n), kWarpgroupRows, fn, "C"); s != MEGAMOE_OK) return s;
+  if (int s = make_tensor_map(&epi.c, c, rows, uint64_t(n), kWarpRows, fn, "C"); s != MEGAMOE_OK) return s;
   return launch_pool<PlainEpilogue<128>>(map_a, map_b, epi, block_expert, num_blocks, max_blocks, n / 128, b_rows, k,
                                     stream);
 }

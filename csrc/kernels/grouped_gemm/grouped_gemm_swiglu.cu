@@ -51,14 +51,14 @@ extern "C" int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, 
       s != MEGAMOE_OK) {
     return s;
   }
-  if (int s = make_tensor_map(&map_h, h, rows, uint64_t(intermediate), kWarpgroupRows, fn, "h"); s != MEGAMOE_OK) {
+  if (int s = make_tensor_map(&map_h, h, rows, uint64_t(intermediate), kWarpRows, fn, "h"); s != MEGAMOE_OK) {
     return s;
   }
   if (z == nullptr) {
     return launch_swiglu<false>(map_a, map_b, map_h, map_z, block_expert, num_blocks, max_blocks, intermediate, hidden,
                                 stream);
   }
-  if (int s = make_tensor_map(&map_z, z, rows, 2 * uint64_t(intermediate), kWarpgroupRows, fn, "z"); s != MEGAMOE_OK) {
+  if (int s = make_tensor_map(&map_z, z, rows, 2 * uint64_t(intermediate), kWarpRows, fn, "z"); s != MEGAMOE_OK) {
     return s;
   }
   return launch_swiglu<true>(map_a, map_b, map_h, map_z, block_expert, num_blocks, max_blocks, intermediate, hidden,

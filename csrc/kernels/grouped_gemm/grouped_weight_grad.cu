@@ -16,7 +16,7 @@ int weight_grad(const CUtensorMap& map_a, const CUtensorMap& map_b, void* out, c
   using Epi = WeightGradEpilogue<BlockN, Fp32>;
   typename Epi::Params epi{};
   if constexpr (!Fp32) {
-    if (int s = make_tensor_map(&epi.c, out, uint64_t(num_local_experts) * m, uint64_t(n), kWarpgroupRows, fn, "out");
+    if (int s = make_tensor_map(&epi.c, out, uint64_t(num_local_experts) * m, uint64_t(n), kWarpRows, fn, "out");
         s != MEGAMOE_OK) {
       return s;
     }
