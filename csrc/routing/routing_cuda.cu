@@ -14,6 +14,7 @@ namespace {
 constexpr int kWarpsPerCta = 8;
 constexpr int kScanThreads = 1024;
 constexpr int kStepsPerChunk = kRoutesPerChunk / 32;
+constexpr int kScanBatch = 16;
 
 struct WarpGroupOfExpert {
   unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")
@@ -63,10 +64,17 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
     const int32_t e = tile + threadIdx.x;
     int32_t total = 0;
     if (e < experts) {
-      for (int64_t c = 0; c < chunks; ++c) {  // chunk counts -> exclusive per-chunk bases
-        const int32_t count = chunk_counts[c * experts + e];
-        chunk_counts[c * experts + e] = total;
-        total += count;
+      // Chunk counts -> exclusive per-chunk bases. kScanBatch loads in flight per thread: one at a
+      // time, the walk over ~256 chunks (16384 tokens, top-8) waited out ~256 memory latencies.
+      for (int64_t c0 = 0; c0 < chunks; c0 += kScanBatch) {
+        int32_t counts[kScanBatch];
+#pragma unroll
+        for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < chunks ? chunk_counts[(c0 + i) * experts + e] : 0;
+#pragma unroll
+        for (int i = 0; i < kScanBatch; ++i) {
+          if (c0 + i < chunks) chunk_counts[(c0 + i) * experts + e] = total;
+          total += counts[i];
+        }
       }
     }
     const int32_t expert_blocks = int32_t(ceil_div(total, kBlockM));
