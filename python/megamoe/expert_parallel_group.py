@@ -6,7 +6,7 @@ experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe
 here the ranks are processes, the peer tables point into the other ranks' memory, and barriers
 (megamoe_barrier, a GPU kernel that times out instead of hanging) order the phases:
 
-  metadata     all-gather of T_r and topk_ids over g (host collective, once per forward)
+  metadata     all-gather of (T_r, K, H, 2I, E_local), read by the host, then of topk_ids (once per forward)
   publish      rank r copies its rows (x, or dy and its topk weights) into its shared buffer
   barrier 1
   own plan     each owner writes its routing plan's route -> slot table into its shared buffer
@@ -189,8 +189,8 @@ class _Meta:
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
         shape = (x.shape[0], top_k, hidden, two_i, num_local)
-        shapes = [None] * ws.world
-        ws.dist.all_gather_object(shapes, shape, group=ws.group)
+        shapes = [tuple(s) for s in torch.stack(
+            _all_gather(ws, torch.tensor(shape, dtype=torch.int64))).tolist()]
         for r, other in enumerate(shapes):
             if other[1:] != shape[1:]:
                 raise ValueError(f"every rank of the group needs the same K, H, 2I and E_local: rank {r} has "
@@ -213,14 +213,19 @@ class _Meta:
                     "dp": (self.total_routes, torch.float32)})
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
-        """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device (gloo gathers on the host)."""
-        on_host = ws.dist.get_backend(ws.group) == "gloo"
-        padded = torch.full((max(self.tokens), self.top_k), -1, dtype=torch.int32,
-                            device="cpu" if on_host else ids.device)
+        """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device."""
+        padded = torch.full((max(self.tokens), self.top_k), -1, dtype=torch.int32, device=ids.device)
         padded[:ids.shape[0]] = ids
-        parts = [torch.empty_like(padded) for _ in range(ws.world)]
-        ws.dist.all_gather(parts, padded, group=ws.group)
+        parts = _all_gather(ws, padded)
         return torch.cat([p[:t] for p, t in zip(parts, self.tokens)]).to(ids.device).contiguous()
+
+
+def _all_gather(ws: _Workspace, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor` (of one shape on every rank): on this GPU, or on the host for gloo."""
+    tensor = tensor.to("cpu" if ws.dist.get_backend(ws.group) == "gloo" else ws.device)
+    parts = [torch.empty_like(tensor) for _ in range(ws.world)]
+    ws.dist.all_gather(parts, tensor, group=ws.group)
+    return parts
 
 
 def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torch.Tensor,
