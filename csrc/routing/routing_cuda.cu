@@ -1,6 +1,7 @@
 // CUDA routing plan in three deterministic passes (no atomics whose order shows in the result):
 //   1. count:  one warp per chunk of routes counts routes per local expert for that chunk;
-//   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets and the block list;
+//   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets and the block list
+//              (each expert's chunks in 8 ranges: sums side by side, then bases);
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
 // Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync.
 #include <cub/block/block_scan.cuh>
@@ -12,7 +13,9 @@ namespace megamoe::routing {
 namespace {
 
 constexpr int kWarpsPerCta = 8;
-constexpr int kScanThreads = 1024;
+constexpr int kScanExperts = 128;  // experts per pass of the scan CTA
+constexpr int kScanGroups = 8;     // chunk ranges per expert, scanned side by side
+constexpr int kScanThreads = kScanExperts * kScanGroups;
 constexpr int kStepsPerChunk = kRoutesPerChunk / 32;
 constexpr int kScanBatch = 16;
 
@@ -54,39 +57,63 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
             megamoe_routing_plan plan) {
   using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int32_t group_sums[kScanGroups][kScanExperts];
   __shared__ int32_t blocks_before_tile;
   const int64_t chunks = num_chunks(shape);
+  const int64_t chunks_per_group = ceil_div(chunks, kScanGroups);
   const int32_t experts = shape.num_local_experts;
+  // Thread (group, expert): group-major, so consecutive threads read consecutive experts' counts.
+  const int group = threadIdx.x / kScanExperts;
+  const int64_t first_chunk = group * chunks_per_group;
+  const int64_t end_chunk = first_chunk + chunks_per_group < chunks ? first_chunk + chunks_per_group : chunks;
   if (threadIdx.x == 0) blocks_before_tile = 0;
   __syncthreads();
 
-  for (int32_t tile = 0; tile < experts; tile += kScanThreads) {
-    const int32_t e = tile + threadIdx.x;
-    int32_t total = 0;
-    if (e < experts) {
-      // Chunk counts -> exclusive per-chunk bases. kScanBatch loads in flight per thread: one at a
-      // time, the walk over ~256 chunks (16384 tokens, top-8) waited out ~256 memory latencies.
-      for (int64_t c0 = 0; c0 < chunks; c0 += kScanBatch) {
-        int32_t counts[kScanBatch];
+  for (int32_t tile = 0; tile < experts; tile += kScanExperts) {
+    const int32_t e = tile + int32_t(threadIdx.x % kScanExperts);
+    const bool live = e < experts;
+    // 1. Each group sums its range of chunks (kScanBatch loads in flight per thread).
+    int32_t sum = 0;
+    for (int64_t c0 = first_chunk; live && c0 < end_chunk; c0 += kScanBatch) {
+      int32_t counts[kScanBatch];
 #pragma unroll
-        for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < chunks ? chunk_counts[(c0 + i) * experts + e] : 0;
+      for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
 #pragma unroll
-        for (int i = 0; i < kScanBatch; ++i) {
-          if (c0 + i < chunks) chunk_counts[(c0 + i) * experts + e] = total;
-          total += counts[i];
-        }
+      for (int i = 0; i < kScanBatch; ++i) sum += counts[i];
+    }
+    group_sums[group][threadIdx.x % kScanExperts] = sum;
+    __syncthreads();
+    // 2. The expert's routes before this group's chunks, and its total.
+    int32_t base = 0, total = 0;
+    for (int g = 0; g < kScanGroups; ++g) {
+      const int32_t s = group_sums[g][threadIdx.x % kScanExperts];
+      base += g < group ? s : 0;
+      total += s;
+    }
+    // 3. Chunk counts -> exclusive per-chunk bases, in chunk order within the group.
+    for (int64_t c0 = first_chunk; live && c0 < end_chunk; c0 += kScanBatch) {
+      int32_t counts[kScanBatch];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) {
+        if (c0 + i < end_chunk) chunk_counts[(c0 + i) * experts + e] = base;
+        base += counts[i];
       }
     }
-    const int32_t expert_blocks = int32_t(ceil_div(total, kBlockM));
+    // 4. Expert offsets and the block list: group 0 holds the experts of this tile in order, and
+    // the other groups add 0, so one block-wide scan gives each expert's first block.
+    const bool owner = live && group == 0;
+    const int32_t expert_blocks = owner ? int32_t(ceil_div(total, kBlockM)) : 0;
     int32_t first_block, tile_blocks;
     BlockScan(scan_storage).ExclusiveSum(expert_blocks, first_block, tile_blocks);
     first_block += blocks_before_tile;
-    if (e < experts) {
+    if (owner) {
       plan.expert_counts[e] = total;
       plan.expert_offsets[e] = first_block * kBlockM;
       for (int32_t b = 0; b < expert_blocks; ++b) plan.block_expert[first_block + b] = e;
     }
-    __syncthreads();  // everyone has read blocks_before_tile and scan_storage
+    __syncthreads();  // everyone has read blocks_before_tile, group_sums and scan_storage
     if (threadIdx.x == 0) blocks_before_tile += tile_blocks;
     __syncthreads();
   }
