@@ -42,6 +42,13 @@ struct RingChunks : std::integral_constant<int, 0> {};
 template <class Epi>
 struct RingChunks<Epi, std::void_t<decltype(Epi::kRingChunks)>> : std::integral_constant<int, Epi::kRingChunks> {};
 
+// Epi::kDeferred: pack(acc, tile, rows) -> Pending after the main loop, store(pending, ...) under
+// the next tile's first wgmma batch (kernel.cuh).
+template <class Epi, class = void>
+struct Deferred : std::false_type {};
+template <class Epi>
+struct Deferred<Epi, std::void_t<decltype(Epi::kDeferred)>> : std::integral_constant<bool, Epi::kDeferred> {};
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> low half = lower column
   return *reinterpret_cast<const uint32_t*>(&v);

@@ -65,21 +65,44 @@ struct ScatterEpilogue {
     }
     return r;
   }
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& tile, const Rows& rows) {
+  // Deferred (kernel.cuh): the tile's bf16 values and rows wait in registers, and are stored while
+  // the next tile's first wgmma batch runs.
+  static constexpr bool kDeferred = true;
+  struct Pending {
+    uint32_t packed[Cfg::kAccumulators / 2];  // pack_bf16x2 of fragment entries 2i, 2i + 1
+    Rows rows;
+    int col0;
+  };
+
+  __device__ static Pending pack(const float (&acc)[Cfg::kAccumulators], const PoolTile& tile, const Rows& rows) {
+    Pending pending;
+#pragma unroll
+    for (int i = 0; i < Cfg::kAccumulators / 2; ++i) pending.packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
+    pending.rows = rows;
+    pending.col0 = tile.n_tile * BlockN;
+    return pending;
+  }
+
+  __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup) {
     const int piece = int(threadIdx.x) % kPieces;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
-      stage_chunk(acc, c, chunk);
+#pragma unroll
+      for (int pair = 0; pair < kEpiCols / 16; ++pair) {
+        const int i = (c * (kEpiCols / 16) + pair) * 4;
+        const uint32_t v[4] = {pending.packed[i], pending.packed[i + 1], pending.packed[i + 2], pending.packed[i + 3]};
+        stage_packed_pair(v, chunk, pair);
+      }
       __syncwarp();
-      const int col = tile.n_tile * BlockN + c * kEpiCols + piece * 8;
+      const int col = pending.col0 + c * kEpiCols + piece * 8;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = first_row() + pass * kRowsPerPass;
-        if (rows.route[pass] >= 0) {
+        if (pending.rows.route[pass] >= 0) {
           const uint4 v = load_shared_16(chunk + row * kSwizzleBytes + ((piece ^ (row % 8)) * 16));
-          *reinterpret_cast<uint4*>(p.out + int64_t(rows.route[pass]) * p.ld + col) = v;
+          *reinterpret_cast<uint4*>(p.out + int64_t(pending.rows.route[pass]) * p.ld + col) = v;
         }
       }
     }
