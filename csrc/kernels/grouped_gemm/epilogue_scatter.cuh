@@ -2,8 +2,9 @@
 // combine slot). Rows are scattered, so whole-tile TMA stores do not apply.
 //
 // Each 64-column chunk is staged bf16 in the swizzled chunk buffer (the plain epilogue's stmatrix
-// path), then read back 16 bytes per thread: 8 consecutive threads take the 8 16-byte pieces of one
-// row (one 128-byte row segment, contiguous and 128-byte aligned in global memory) and a warp
+// path; deferred like it, under the next tile's first wgmma batch), then read back 16 bytes per
+// thread: 8 consecutive threads take the 8 16-byte pieces of one row (one 128-byte row segment,
+// contiguous and 128-byte aligned in global memory) and a warp
 // covers 4 rows, so every st.global.v4 of a warp writes 4 whole 128-byte lines; the shared reads
 // of 8 threads cover one 128-byte row, all 32 banks (conflict-free whatever the swizzle).
 // Each warp reads back only the 16 rows it staged, 4 per pass, 4 passes per chunk, so the warps of
@@ -69,15 +70,15 @@ struct ScatterEpilogue {
   // the next tile's first wgmma batch runs.
   static constexpr bool kDeferred = true;
   struct Pending {
-    uint32_t packed[Cfg::kAccumulators / 2];  // pack_bf16x2 of fragment entries 2i, 2i + 1
+    uint32_t packed[Cfg::kAccumulators / 2];
     Rows rows;
     int col0;
   };
 
-  __device__ static Pending pack(const float (&acc)[Cfg::kAccumulators], const PoolTile& tile, const Rows& rows) {
+  __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params&, const SharedStorage<Cfg>&,
+                                   int, const PoolTile& tile, const Rows& rows) {
     Pending pending;
-#pragma unroll
-    for (int i = 0; i < Cfg::kAccumulators / 2; ++i) pending.packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
+    pack_fragment(acc, pending.packed);
     pending.rows = rows;
     pending.col0 = tile.n_tile * BlockN;
     return pending;
@@ -89,12 +90,7 @@ struct ScatterEpilogue {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
-#pragma unroll
-      for (int pair = 0; pair < kEpiCols / 16; ++pair) {
-        const int i = (c * (kEpiCols / 16) + pair) * 4;
-        const uint32_t v[4] = {pending.packed[i], pending.packed[i + 1], pending.packed[i + 2], pending.packed[i + 3]};
-        stage_packed_pair(v, chunk, pair);
-      }
+      stage_packed_chunk(pending.packed, c, chunk);
       __syncwarp();
       const int col = pending.col0 + c * kEpiCols + piece * 8;
 #pragma unroll

@@ -71,19 +71,23 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   }
   if constexpr (Deferred<Epi>::value) {
     // The tile's result waits in registers (bf16) and is stored under the next tile's first batch.
-    static_assert(!Sched::kMayBeEmpty, "deferred epilogues run on pool tiles");
     typename Epi::Pending pending;
     bool has_pending = false;
+    const auto store_pending = [&] {
+      if (has_pending) Epi::store(pending, epi, smem, math_wg);
+    };
     for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);
-      mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, [&] {
-        if (has_pending) Epi::store(pending, epi, smem, math_wg);
-      });
-      pending = Epi::pack(acc, tile, rows);
+      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
+        mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, store_pending);
+      } else {
+        store_pending();  // no main loop to hide it under; retire() packs zeros for this tile
+      }
+      pending = Epi::retire(acc, epi, smem, math_wg, tile, rows);
       has_pending = true;
     }
-    if (has_pending) Epi::store(pending, epi, smem, math_wg);
+    store_pending();
   } else {
     for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
