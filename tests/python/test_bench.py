@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from megamoe.bench import backends, main
@@ -81,3 +82,15 @@ def test_profile_charges_idle_time_to_the_kernels_around_it():
     events = [kernel("a", 0, 10), kernel("b", 2, 5), kernel("c", 14, 20), kernel("a", 20, 30),
               kernel("c", 36, 40)]
     assert idle_gaps(events, iterations=2) == {("a", "c"): 5.0}
+
+
+def test_profile_drops_the_first_profiled_call():
+    from types import SimpleNamespace
+
+    from megamoe.bench.profile import last_iterations
+
+    events = [SimpleNamespace(name=name, call=call) for call in range(3) for name in ("routing", "gemm")]
+    assert [(e.name, e.call) for e in last_iterations(events, iterations=2)] == [
+        ("routing", 1), ("gemm", 1), ("routing", 2), ("gemm", 2)]
+    with pytest.raises(RuntimeError, match="did not launch the same sequence"):
+        last_iterations(events[:-1], iterations=2)
