@@ -3,8 +3,9 @@
 //
 // A math warpgroup owns 64 rows of the tile and writes them in 64-column chunks through two chunk
 // buffers; it never waits for its stores to reach global memory, only (before reusing a buffer) for
-// the store issued two chunks earlier to have finished reading shared memory. The next tile's main
-// loop therefore overlaps the tail of this tile's stores.
+// the store issued two chunks earlier to have finished reading shared memory. Deferred epilogues
+// keep the tile packed in registers and stage it while the next tile's first wgmma batch runs, so
+// the tensor cores are busy during the stores too.
 //
 // wgmma's accumulator fragment: in warp w of the warpgroup, lane l holds for each 8-column group j
 // acc[4j + 0..1] = row 16w + l/4, columns 8j + 2(l%4) + {0,1}, and acc[4j + 2..3] = row + 8.
@@ -14,7 +15,8 @@
 //
 // Epilogue policies (this file's PlainEpilogue, SwigluEpilogue, ScatterEpilogue) give the kernel:
 //   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, tile, warpgroup) -> Rows
-//   (per-tile values loaded before the main loop, to hide their latency), store(...), drain(); the
+//   (per-tile values loaded before the main loop, to hide their latency), then either store(acc, ...)
+//   or, with kDeferred, retire(...) -> Pending and store(pending, ...) (below); and drain(). The
 //   tile is the scheduler's (PoolTile: block, n_tile; ExpertTile: expert, m_tile, n_tile).
 // An epilogue that reads a tile-shaped input (epilogue_swiglu_backward.cuh: z) also declares
 // kRingChunks > 0 and load_ring(params, tile, smem, state): the producer loads that many stages of
@@ -42,6 +44,14 @@ struct RingChunks : std::integral_constant<int, 0> {};
 template <class Epi>
 struct RingChunks<Epi, std::void_t<decltype(Epi::kRingChunks)>> : std::integral_constant<int, Epi::kRingChunks> {};
 
+// Epi::kDeferred: retire(acc, params, smem, warpgroup, tile, rows) -> Pending right after the main loop
+// (the tile's values packed to bf16, and whatever cannot wait), store(pending, params, smem,
+// warpgroup) under the next tile's first wgmma batch (kernel.cuh).
+template <class Epi, class = void>
+struct Deferred : std::false_type {};
+template <class Epi>
+struct Deferred<Epi, std::void_t<decltype(Epi::kDeferred)>> : std::integral_constant<bool, Epi::kDeferred> {};
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> low half = lower column
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -50,58 +60,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // Named barrier over one math warpgroup (id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));
-}
-
-// Writes fragment columns [64 c, 64 c + 64) of the warpgroup's 64 rows, as bf16, into a chunk
-// buffer: row r at r * 128 bytes, its 16-byte groups permuted by r % 8 (128B swizzle).
-// c must be a compile-time constant after unrolling (it indexes registers).
-// zero: stage zeros instead (a K-grouped tile without k-blocks); a constant false folds away.
-template <int N>
-__device__ __forceinline__ void stage_chunk(const float (&acc)[N], int c, uint8_t* chunk, bool zero = false) {
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x / 32) % 4;
-  const int matrix = lane / 8;
-  const int row = warp * 16 + (matrix % 2) * 8 + lane % 8;  // row inside the warpgroup's 64
-#pragma unroll
-  for (int p = 0; p < kEpiCols / 16; ++p) {
-    const int j = c * (kEpiCols / 8) + 2 * p;  // first 8-column group of this 16 x 16 block
-    const int group = 2 * p + matrix / 2;      // 16-byte chunk of the 128-byte row, unswizzled
-    auto* dst = chunk + row * kSwizzleBytes + ((group ^ (row % 8)) * 16);
-    const uint32_t keep = zero ? 0u : ~0u;
-    cute::SM90_U32x4_STSM_N::copy(pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]) & keep,
-                                  pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]) & keep,
-                                  pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]) & keep,
-                                  pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]) & keep,
-                                  *reinterpret_cast<cute::uint128_t*>(dst));
-  }
-}
-
-// Stores fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by TMA, each
-// warp its own 16 rows (tma_c has 16-row boxes): stage_chunk writes only the warp's rows of the
-// chunk buffer, so a warp needs no other warp before it stages or issues its store.
-template <int Chunks, int N, class Smem>
-__device__ __forceinline__ void tma_store_chunks(const float (&acc)[N], const CUtensorMap* tma_c, const Smem& smem,
-                                                 int warpgroup, int row0, int col0, bool zero = false) {
-  static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
-  static_assert(Chunks * kEpiCols * kWarpgroupRows <= N * 128, "more columns than the fragment holds");
-  const int warp = (threadIdx.x / 32) % 4;
-  const bool leader = threadIdx.x % 32 == 0;  // issues and tracks this warp's TMA stores
-#pragma unroll
-  for (int c = 0; c < Chunks; ++c) {
-    uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
-    // The store that last read this warp's rows of the buffer was issued kEpiBuffers chunks ago
-    // (possibly in the previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
-    if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
-    __syncwarp();
-    stage_chunk(acc, c, chunk, zero);
-    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
-    __syncwarp();
-    if (leader) {
-      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols,
-                                    row0 + warp * kWarpRows);
-      cute::tma_store_arrive();
-    }
-  }
 }
 
 // Packed bf16 pairs, 16 columns at a time: v[q] (q = 2 g + h) is the thread's pair of 8-column
@@ -121,6 +79,57 @@ __device__ __forceinline__ void stage_packed_pair(const uint32_t (&v)[4], uint8_
                                 *reinterpret_cast<cute::uint128_t*>(packed_pair_address(chunk, p)));
 }
 
+// Packed fragment columns [64 c, 64 c + 64) of the warpgroup's 64 rows into a chunk buffer: row r
+// at r * 128 bytes, its 16-byte groups permuted by r % 8 (128B swizzle). c must be a compile-time
+// constant after unrolling (it indexes registers).
+template <int M>
+__device__ __forceinline__ void stage_packed_chunk(const uint32_t (&packed)[M], int c, uint8_t* chunk) {
+#pragma unroll
+  for (int p = 0; p < kEpiCols / 16; ++p) {
+    const int i = (c * (kEpiCols / 16) + p) * 4;
+    const uint32_t v[4] = {packed[i], packed[i + 1], packed[i + 2], packed[i + 3]};
+    stage_packed_pair(v, chunk, p);
+  }
+}
+
+// Fragment entries 2i and 2i + 1 as one bf16 pair: packed[i]. In the fragment's order, packed
+// [4 (4 c + p), + 4) are the stmatrix operands of 16 x 16 block p of 64-column chunk c.
+// zero: pack zeros instead (a K-grouped tile without k-blocks); a constant false folds away.
+template <int N>
+__device__ __forceinline__ void pack_fragment(const float (&acc)[N], uint32_t (&packed)[N / 2], bool zero = false) {
+  const uint32_t keep = zero ? 0u : ~0u;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]) & keep;
+}
+
+// Stores packed fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by
+// TMA, each warp its own 16 rows (tma_c has 16-row boxes): a warp stages only its rows of the chunk
+// buffer, so it needs no other warp before it stages or issues its store.
+template <int Chunks, int M, class Smem>
+__device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], const CUtensorMap* tma_c,
+                                                 const Smem& smem, int warpgroup, int row0, int col0) {
+  static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
+  static_assert(Chunks * kEpiCols * kWarpgroupRows <= M * 256, "more columns than the fragment holds");
+  const int warp = (threadIdx.x / 32) % 4;
+  const bool leader = threadIdx.x % 32 == 0;  // issues and tracks this warp's TMA stores
+#pragma unroll
+  for (int c = 0; c < Chunks; ++c) {
+    uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
+    // The store that last read this warp's rows of the buffer was issued kEpiBuffers chunks ago
+    // (possibly in the previous tile: Chunks is a multiple of kEpiBuffers, so buffer c % 2 is the same one).
+    if (leader) cute::tma_store_wait<kEpiBuffers - 1>();
+    __syncwarp();
+    stage_packed_chunk(packed, c, chunk);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
+    __syncwarp();
+    if (leader) {
+      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols,
+                                    row0 + warp * kWarpRows);
+      cute::tma_store_arrive();
+    }
+  }
+}
+
 // A TMA box of a row-major bf16 matrix (64 columns, 128B swizzle) lands in exactly this layout, so
 // this reads such a box straight into fragment order.
 __device__ __forceinline__ void load_packed_pair(uint32_t (&v)[4], uint8_t* chunk, int p) {
@@ -134,21 +143,35 @@ __device__ __forceinline__ void drain_stores() {
   if (threadIdx.x % 32 == 0) cute::tma_store_wait<0>();
 }
 
-// C[128 b.., n-tile..] = the tile, through a TMA map of C with 16-row x 64-column boxes.
+// C[128 b.., n-tile..] = the tile, through a TMA map of C with 16-row x 64-column boxes; deferred
+// (kernel.cuh): retire() packs the tile to bf16 after its main loop, store() writes it while the
+// next tile's first wgmma batch runs.
 template <int BlockN>
 struct PlainEpilogue {
   using Cfg = Config<BlockN>;
+  static constexpr bool kDeferred = true;
   struct Params {
     CUtensorMap c;
   };
   struct Rows {};
+  struct Pending {
+    uint32_t packed[Cfg::kAccumulators / 2];
+    int row0, col0;
+  };
 
   __device__ static void prefetch(const Params& p) { cute::prefetch_tma_descriptor(&p.c); }
   __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
-    tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, t.block * kBlockM + warpgroup * kWarpgroupRows,
-                                        t.n_tile * BlockN);
+  __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params&, const SharedStorage<Cfg>&,
+                                   int warpgroup, const PoolTile& t, Rows) {
+    Pending pending;
+    pack_fragment(acc, pending.packed);
+    pending.row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
+    pending.col0 = t.n_tile * BlockN;
+    return pending;
+  }
+  __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup) {
+    tma_store_chunks<BlockN / kEpiCols>(pending.packed, &p.c, smem, warpgroup, pending.row0, pending.col0);
   }
   __device__ static void drain() { drain_stores(); }
 };

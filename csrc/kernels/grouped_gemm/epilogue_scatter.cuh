@@ -2,8 +2,9 @@
 // combine slot). Rows are scattered, so whole-tile TMA stores do not apply.
 //
 // Each 64-column chunk is staged bf16 in the swizzled chunk buffer (the plain epilogue's stmatrix
-// path), then read back 16 bytes per thread: 8 consecutive threads take the 8 16-byte pieces of one
-// row (one 128-byte row segment, contiguous and 128-byte aligned in global memory) and a warp
+// path; deferred like it, under the next tile's first wgmma batch), then read back 16 bytes per
+// thread: 8 consecutive threads take the 8 16-byte pieces of one row (one 128-byte row segment,
+// contiguous and 128-byte aligned in global memory) and a warp
 // covers 4 rows, so every st.global.v4 of a warp writes 4 whole 128-byte lines; the shared reads
 // of 8 threads cover one 128-byte row, all 32 banks (conflict-free whatever the swizzle).
 // Each warp reads back only the 16 rows it staged, 4 per pass, 4 passes per chunk, so the warps of
@@ -65,21 +66,39 @@ struct ScatterEpilogue {
     }
     return r;
   }
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& tile, const Rows& rows) {
+  // Deferred (kernel.cuh): the tile's bf16 values and rows wait in registers, and are stored while
+  // the next tile's first wgmma batch runs.
+  static constexpr bool kDeferred = true;
+  struct Pending {
+    uint32_t packed[Cfg::kAccumulators / 2];
+    Rows rows;
+    int col0;
+  };
+
+  __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params&, const SharedStorage<Cfg>&,
+                                   int, const PoolTile& tile, const Rows& rows) {
+    Pending pending;
+    pack_fragment(acc, pending.packed);
+    pending.rows = rows;
+    pending.col0 = tile.n_tile * BlockN;
+    return pending;
+  }
+
+  __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup) {
     const int piece = int(threadIdx.x) % kPieces;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       uint8_t* chunk = smem.epi(warpgroup, c % kEpiBuffers);
-      stage_chunk(acc, c, chunk);
+      stage_packed_chunk(pending.packed, c, chunk);
       __syncwarp();
-      const int col = tile.n_tile * BlockN + c * kEpiCols + piece * 8;
+      const int col = pending.col0 + c * kEpiCols + piece * 8;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = first_row() + pass * kRowsPerPass;
-        if (rows.route[pass] >= 0) {
+        if (pending.rows.route[pass] >= 0) {
           const uint4 v = load_shared_16(chunk + row * kSwizzleBytes + ((piece ^ (row % 8)) * 16));
-          *reinterpret_cast<uint4*>(p.out + int64_t(rows.route[pass]) * p.ld + col) = v;
+          *reinterpret_cast<uint4*>(p.out + int64_t(pending.rows.route[pass]) * p.ld + col) = v;
         }
       }
     }

@@ -7,7 +7,7 @@
 // 128 to the column adds 16 to j, i.e. 64 to the index, and keeps the row. Hence every thread holds
 // its gate values in acc[0, 64) and the matching up values in acc[64, 128), same position for same
 // (row, column): h for acc[x] is silu(acc[x]) * acc[x + 64], and acc[0, 64) is then exactly an
-// m64n128 fragment of the 128-column h tile, which the plain chunk store writes.
+// m64n128 fragment of the 128-column h tile, which the plain chunk store writes (deferred: below).
 //
 // KeepZ (training): the same halves, rounded to bf16 before SwiGLU, are also stored as z = gate | up
 // [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ.
@@ -34,23 +34,43 @@ struct SwigluEpilogue {
     if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
   }
   __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
-  __device__ static void store(float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
-                               int warpgroup, const PoolTile& t, Rows) {
+
+  // Deferred (kernel.cuh): z (KeepZ) is stored right after the main loop, since its 64 packed
+  // registers would not fit beside the next tile's accumulators; h waits packed and is stored
+  // under the next tile's first wgmma batch.
+  static constexpr bool kDeferred = true;
+  struct Pending {
+    uint32_t h[kHalf / 2];
+    int row0, col0;
+  };
+
+  __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
+                                   const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
     if constexpr (KeepZ) {
       using Half = const float(&)[kHalf];
-      tma_store_chunks<kHCols / kEpiCols>(reinterpret_cast<Half>(acc[0]), &p.z, smem, warpgroup, row0,
-                                          t.n_tile * kHCols);
-      tma_store_chunks<kHCols / kEpiCols>(reinterpret_cast<Half>(acc[kHalf]), &p.z, smem, warpgroup, row0,
-                                          p.intermediate + t.n_tile * kHCols);
+      uint32_t z[kHalf / 2];
+      pack_fragment(reinterpret_cast<Half>(acc[0]), z);
+      tma_store_chunks<kHCols / kEpiCols>(z, &p.z, smem, warpgroup, row0, t.n_tile * kHCols);
+      pack_fragment(reinterpret_cast<Half>(acc[kHalf]), z);
+      tma_store_chunks<kHCols / kEpiCols>(z, &p.z, smem, warpgroup, row0, p.intermediate + t.n_tile * kHCols);
     }
+    float h[kHalf];
 #pragma unroll
     for (int x = 0; x < kHalf; ++x) {
       const float g = acc[x];
       // silu(g) = g / (1 + e^-g); for g < -88 e^-g is inf and the quotient 0, the limit.
-      acc[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
+      h[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
     }
-    tma_store_chunks<kHCols / kEpiCols>(acc, &p.h, smem, warpgroup, row0, t.n_tile * kHCols);
+    Pending pending;
+    pack_fragment(h, pending.h);
+    pending.row0 = row0;
+    pending.col0 = t.n_tile * kHCols;
+    return pending;
+  }
+  __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup) {
+    tma_store_chunks<kHCols / kEpiCols>(pending.h, &p.h, smem, warpgroup, pending.row0, pending.col0);
   }
   __device__ static void drain() { drain_stores(); }
 };

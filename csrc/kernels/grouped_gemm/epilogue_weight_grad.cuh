@@ -1,6 +1,7 @@
 // Weight-gradient epilogue (K-grouped GEMM, scheduler_expert.cuh): the 128 x BLOCK_N tile (m-tile,
 // n-tile) of out[e] = A[rows of e]ᵀ · B[rows of e], out [E_local, M, N] row-major.
-//   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as [E M, N].
+//   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as [E M, N],
+//         deferred to the next tile's first wgmma batch.
 //   fp32: each thread stores its fragment pairs straight from registers as float2 (4 lanes cover 32
 //         contiguous bytes of a row: whole sectors); with accumulate, out += tile (read, add, write:
 //         every element is owned by exactly one thread of one tile, so no atomics, deterministic).
@@ -28,41 +29,60 @@ struct WeightGradEpilogue {
     if constexpr (!Fp32) cute::prefetch_tma_descriptor(&p.c);
   }
   __device__ static Rows prepare(const Params&, const ExpertTile&, int) { return {}; }
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                               const SharedStorage<Cfg>& smem, int warpgroup, const ExpertTile& t, Rows) {
+
+  // bf16 is deferred (kernel.cuh): the packed tile is stored under the next tile's first wgmma batch.
+  // fp32 stores its 128 values per thread right away: they do not fit beside the next accumulators.
+  static constexpr bool kDeferred = !Fp32;
+  struct Pending {
+    uint32_t packed[Cfg::kAccumulators / 2];
+    int row0, col0;
+  };
+
+  __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
+                                   int warpgroup, const ExpertTile& t, Rows) {
+    Pending pending;
+    pack_fragment(acc, pending.packed, t.k_blocks == 0);
+    pending.row0 = t.expert * p.m + t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
+    pending.col0 = t.n_tile * BlockN;
+    return pending;
+  }
+  __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup) {
+    tma_store_chunks<BlockN / kEpiCols>(pending.packed, &p.c, smem, warpgroup, pending.row0, pending.col0);
+  }
+
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
+                               int warpgroup, const ExpertTile& t, Rows) {
+    static_assert(Fp32, "bf16 weight gradients are deferred");
     const int row0 = t.expert * p.m + t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
     const int col0 = t.n_tile * BlockN;
-    if constexpr (!Fp32) {
-      tma_store_chunks<BlockN / kEpiCols>(acc, &p.c, smem, warpgroup, row0, col0, t.k_blocks == 0);
-    } else {
-      const bool zero = t.k_blocks == 0;
-      const int lane = int(threadIdx.x % 32);
-      const int64_t row = row0 + int((threadIdx.x / 32) % 4) * 16 + lane / 4;
-      float* base = p.out + row * p.n + col0 + 2 * (lane % 4);
-      // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the
-      // read-add-write costs one memory round trip per batch, not one per element.
-      constexpr int kBatch = 8;
+    const bool zero = t.k_blocks == 0;
+    const int lane = int(threadIdx.x % 32);
+    const int64_t row = row0 + int((threadIdx.x / 32) % 4) * 16 + lane / 4;
+    float* base = p.out + row * p.n + col0 + 2 * (lane % 4);
+    // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the
+    // read-add-write costs one memory round trip per batch, not one per element.
+    constexpr int kBatch = 8;
 #pragma unroll
-      for (int j0 = 0; j0 < BlockN / 8; j0 += kBatch) {
-        float2 old[kBatch][2];
+    for (int j0 = 0; j0 < BlockN / 8; j0 += kBatch) {
+      float2 old[kBatch][2];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
+      for (int j = 0; j < kBatch; ++j) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            old[j][h] = p.accumulate ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
-                                     : make_float2(0.f, 0.f);
-          }
+        for (int h = 0; h < 2; ++h) {
+          old[j][h] = p.accumulate ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
+                                   : make_float2(0.f, 0.f);
         }
+      }
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
+      for (int j = 0; j < kBatch; ++j) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int x = 4 * (j0 + j) + 2 * h;
-            float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[x], acc[x + 1]);
-            v.x += old[j][h].x;
-            v.y += old[j][h].y;
-            *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
-          }
+        for (int h = 0; h < 2; ++h) {
+          const int x = 4 * (j0 + j) + 2 * h;
+          float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[x], acc[x + 1]);
+          v.x += old[j][h].x;
+          v.y += old[j][h].y;
+          *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
         }
       }
     }

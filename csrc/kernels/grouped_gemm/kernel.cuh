@@ -69,16 +69,37 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 #pragma unroll
     for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
   }
-  for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
-    const auto tile = tiles.tile();
-    const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
-    // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
-    // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
-    if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg);
-    if constexpr (RingChunks<Epi>::value > 0) {
-      Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
-    } else {
-      Epi::store(acc, epi, smem, math_wg, tile, rows);
+  if constexpr (Deferred<Epi>::value) {
+    // The tile's result waits in registers (bf16) and is stored under the next tile's first batch.
+    typename Epi::Pending pending;
+    bool has_pending = false;
+    const auto store_pending = [&] {
+      if (has_pending) Epi::store(pending, epi, smem, math_wg);
+    };
+    for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
+      const auto tile = tiles.tile();
+      const auto rows = Epi::prepare(epi, tile, math_wg);
+      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
+        mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, store_pending);
+      } else {
+        store_pending();  // no main loop to hide it under; retire() packs zeros for this tile
+      }
+      pending = Epi::retire(acc, epi, smem, math_wg, tile, rows);
+      has_pending = true;
+    }
+    store_pending();
+  } else {
+    for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
+      const auto tile = tiles.tile();
+      const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
+      // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
+      // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
+      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, [] {});
+      if constexpr (RingChunks<Epi>::value > 0) {
+        Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
+      } else {
+        Epi::store(acc, epi, smem, math_wg, tile, rows);
+      }
     }
   }
   Epi::drain();

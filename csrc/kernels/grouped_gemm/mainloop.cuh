@@ -83,9 +83,11 @@ __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tm
 // One math warpgroup's share of a tile (k_blocks >= 1): rows [64 wg, 64 wg + 64) x all BLOCK_N columns, fp32.
 // The batch of 4 wgmmas for k-block kb stays in flight while we wait for kb - 1's batch, so the
 // tensor cores never drain between k-blocks; kb - 1's stage is released as soon as it completes.
-template <class Cfg, class Smem>
-__device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem,
-                         PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup) {
+// under_first_batch() runs while the tile's first batch is in flight (it must not touch acc): the
+// deferred epilogues store the previous tile there, under tensor-core work.
+template <class Cfg, class Smem, class UnderFirstBatch>
+__device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem, PipelineState<Cfg::kStages>& state,
+                         int k_blocks, int warpgroup, UnderFirstBatch&& under_first_batch) {
   using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
   using Op = typename WgmmaOp<Cfg::kBlockN, LA::kGmma, LB::kGmma>::type;
@@ -106,6 +108,7 @@ __device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                 acc, scale_d);
     }
     cute::warpgroup_commit_batch();
+    if (kb == 0) under_first_batch();
     cute::warpgroup_wait<1>();
     fence_accumulators(acc);
     if (previous_stage >= 0 && signals) Barrier::arrive(smem.empty(previous_stage));

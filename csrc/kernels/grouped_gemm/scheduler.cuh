@@ -1,8 +1,11 @@
 // Static persistent tile scheduler over the routing plan's block list (the pool GEMMs).
 //
-// Tiles are (block, n-tile) pairs numbered n-tile fastest: CTAs that run at the same time share the
-// A block (read once from HBM, then from L2) and the few experts whose blocks are in flight, so
-// each expert's B tiles are fetched from HBM about once. CTA i takes tiles i, i + grid, ...
+// Tiles are (block, n-tile) pairs, numbered in groups of kGroupBlocks consecutive pool blocks (about
+// one expert's at 16384 tokens, top-8 of 128): within a group, block fastest, then n-tile. Tiles in
+// flight together then share B panels (one n-tile of one expert, read by the group's blocks) and the
+// group's A blocks, and an expert's weights are split between two waves of CTAs only at a panel
+// boundary. (Numbered n-tile fastest over all blocks, a wave of 132 CTAs covered ~1.4 experts' whole
+// B, so most experts' weights were fetched from HBM by two waves.) CTA i takes tiles i, i + grid, ...
 // The number of live blocks is read on the device, so the host never synchronises; the producer
 // and the math warpgroups each walk the same sequence independently.
 //
@@ -44,6 +47,7 @@ struct PoolTile {
 
 struct PoolScheduler {
   static constexpr bool kMayBeEmpty = false;  // K >= 128
+  static constexpr int kGroupBlocks = 8;
   struct Params {
     const int32_t* block_expert;
     const int32_t* num_blocks;
@@ -57,6 +61,7 @@ struct PoolScheduler {
   BRows b_rows;
   int n_tiles;
   int k_blocks;
+  int num_blocks;
   int num_tiles;
   int tile_index;
 
@@ -64,13 +69,19 @@ struct PoolScheduler {
       : block_expert(p.block_expert), b_rows(p.b_rows), n_tiles(p.n_tiles), k_blocks(p.k_blocks),
         tile_index(int(blockIdx.x)) {
     int blocks = *p.num_blocks;
-    blocks = blocks < 0 ? 0 : (blocks > p.max_blocks ? p.max_blocks : blocks);  // never past the pool
-    num_tiles = blocks * n_tiles;  // the launcher checks max_blocks * n_tiles fits in int
+    num_blocks = blocks < 0 ? 0 : (blocks > p.max_blocks ? p.max_blocks : blocks);  // never past the pool
+    num_tiles = num_blocks * n_tiles;  // the launcher checks max_blocks * n_tiles fits in int
   }
 
   __device__ bool valid() const { return tile_index < num_tiles; }
   __device__ void advance() { tile_index += int(gridDim.x); }
-  __device__ PoolTile tile() const { return {tile_index / n_tiles, tile_index % n_tiles, k_blocks}; }
+  __device__ PoolTile tile() const {
+    const int first_block = tile_index / (kGroupBlocks * n_tiles) * kGroupBlocks;
+    const int rest = num_blocks - first_block;
+    const int group_blocks = rest < kGroupBlocks ? rest : kGroupBlocks;  // the last group may be short
+    const int in_group = tile_index - first_block * n_tiles;
+    return {first_block + in_group % group_blocks, in_group / group_blocks, k_blocks};
+  }
 
   // An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
   template <class Cfg>
