@@ -52,6 +52,15 @@ __global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routi
   if (lane == 0 && invalid > 0) atomicAdd(num_invalid, invalid);
 }
 
+// kScanBatch consecutive chunks' counts of expert e (0 past end_chunk), loaded together so that
+// kScanBatch loads are in flight per thread.
+__device__ __forceinline__ void load_count_batch(const int32_t* __restrict__ chunk_counts, int64_t c0,
+                                                 int64_t end_chunk, int32_t experts, int32_t e,
+                                                 int32_t (&counts)[kScanBatch]) {
+#pragma unroll
+  for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
+}
+
 __global__ void __launch_bounds__(kScanThreads)
 scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
             megamoe_routing_plan plan) {
@@ -70,31 +79,30 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
   __syncthreads();
 
   for (int32_t tile = 0; tile < experts; tile += kScanExperts) {
-    const int32_t e = tile + int32_t(threadIdx.x % kScanExperts);
+    const int expert_in_tile = threadIdx.x % kScanExperts;
+    const int32_t e = tile + expert_in_tile;
     const bool live = e < experts;
-    // 1. Each group sums its range of chunks (kScanBatch loads in flight per thread).
+    // 1. Each group sums its range of chunks.
     int32_t sum = 0;
     for (int64_t c0 = first_chunk; live && c0 < end_chunk; c0 += kScanBatch) {
       int32_t counts[kScanBatch];
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
+      load_count_batch(chunk_counts, c0, end_chunk, experts, e, counts);
 #pragma unroll
       for (int i = 0; i < kScanBatch; ++i) sum += counts[i];
     }
-    group_sums[group][threadIdx.x % kScanExperts] = sum;
+    group_sums[group][expert_in_tile] = sum;
     __syncthreads();
     // 2. The expert's routes before this group's chunks, and its total.
     int32_t base = 0, total = 0;
     for (int g = 0; g < kScanGroups; ++g) {
-      const int32_t s = group_sums[g][threadIdx.x % kScanExperts];
+      const int32_t s = group_sums[g][expert_in_tile];
       base += g < group ? s : 0;
       total += s;
     }
     // 3. Chunk counts -> exclusive per-chunk bases, in chunk order within the group.
     for (int64_t c0 = first_chunk; live && c0 < end_chunk; c0 += kScanBatch) {
       int32_t counts[kScanBatch];
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
+      load_count_batch(chunk_counts, c0, end_chunk, experts, e, counts);
 #pragma unroll
       for (int i = 0; i < kScanBatch; ++i) {
         if (c0 + i < end_chunk) chunk_counts[(c0 + i) * experts + e] = base;
