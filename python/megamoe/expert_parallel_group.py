@@ -30,8 +30,12 @@ collective, so a rank that skips it makes its peers time out, not hang. (The for
 all-gather is a host collective: a rank that never arrives there is caught by the process group's
 own timeout, `init_process_group(timeout=...)`.)
 
-Costs not yet paid back: the metadata exchange (forward) and the barrier status check (every call)
-wait on the host, and the exchange does not overlap the GEMMs.
+The host never waits for the whole queue: the metadata all-gather runs on a stream of its own (it
+waits for the previous call's collectives only, not for the kernels queued on the compute stream),
+and each call ends by waiting for its own first barrier and routing only (later kernels keep
+running while Python queues the next layer). That wait reads the barrier status from pinned memory:
+this call's barrier 1 and the previous call's barrier 2 (stream order puts that one first), so a
+peer missing at barrier 2 raises at this rank's next expert-parallel call.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ import os
 import torch
 
 from . import _native
-from .expert_parallel import combine_from_owners, owner_backward, pointer_table, pull_rows, raise_on_bad_ids
-from .fused import main_grad_of
+from .expert_parallel import combine_from_owners, owner_backward, pointer_table, pull_rows
+from .fused import IdRangeCheck, main_grad_of
 from .gemm import grouped_gemm, grouped_gemm_swiglu
 from .routing import RoutingPlan, build_routing, pool_capacity
 
@@ -87,7 +91,10 @@ class _Workspace:
         self.signals, signal_ptrs = self._share(self.world, torch.int32, zero=True)
         self.signal_table = pointer_table(signal_ptrs)
         self.status = torch.zeros(2 * len(_PHASES), dtype=torch.int32, device=device)
+        self.status_host = torch.zeros_like(self.status, device="cpu").pin_memory()
+        self.status_read = torch.cuda.Event()
         self.epoch = 0
+        self.metadata_stream = torch.cuda.Stream(device)
 
     def _share(self, numel: int, dtype: torch.dtype, zero: bool = False) -> tuple[torch.Tensor, list[int]]:
         """(a new buffer of this rank, every rank's buffer as a pointer valid here): a collective."""
@@ -161,12 +168,19 @@ class _Workspace:
             self.epoch, phase, _timeout_ns(), self.status[2 * (phase - 1):].data_ptr(),
             _native.stream(self.device)), "expert-parallel barrier")
 
+    def read_status(self) -> None:
+        """Queues the copy of the barrier status to the host: right behind barrier 1, it holds this
+        call's phase 1 and the previous call's phase 2."""
+        self.status_host.copy_(self.status, non_blocking=True)
+        self.status_read.record()
+
     def raise_if_timed_out(self) -> None:
-        """Waits for this rank's queued work, then raises if a barrier of the call timed out."""
-        status = self.status.cpu()
+        """Waits for read_status's copy (not for the kernels queued after it), then raises if this
+        call's barrier 1 or the previous call's barrier 2 timed out."""
+        self.status_read.synchronize()
         lib = _native.library()
         for phase in range(len(_PHASES)):
-            pair = (ctypes.c_int32 * 2)(*status[2 * phase:2 * phase + 2].tolist())
+            pair = (ctypes.c_int32 * 2)(*self.status_host[2 * phase:2 * phase + 2].tolist())
             _native.check(lib.megamoe_barrier_check(pair, self.rank, _timeout_ns()),
                           f"expert-parallel {_PHASES[phase]} (rank {self.rank} of {self.world})")
 
@@ -189,8 +203,9 @@ class _Meta:
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
         shape = (x.shape[0], top_k, hidden, two_i, num_local)
-        shapes = [tuple(s) for s in torch.stack(
-            _all_gather(ws, torch.tensor(shape, dtype=torch.int64))).tolist()]
+        with torch.cuda.stream(ws.metadata_stream):  # not behind the compute stream's queue
+            shapes = [tuple(s) for s in torch.stack(
+                _all_gather(ws, torch.tensor(shape, dtype=torch.int64))).tolist()]
         for r, other in enumerate(shapes):
             if other[1:] != shape[1:]:
                 raise ValueError(f"every rank of the group needs the same K, H, 2I and E_local: rank {r} has "
@@ -201,11 +216,12 @@ class _Meta:
         self.route_offsets = list(itertools.accumulate((t * top_k for t in self.tokens), initial=0))
         self.offsets = (ctypes.c_int64 * (ws.world + 1))(*self.route_offsets)
         self.total_routes = self.route_offsets[-1]
-        self.plan = None
+        self.plan = self.id_range = None
         if self.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
             return
         ids_all = self._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
         self.plan = build_routing(ids_all, self.num_experts, ws.rank * num_local, num_local)
+        self.id_range = IdRangeCheck(self.plan, self.num_experts)
         max_tokens = max(self.tokens)
         ws.reserve({"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
                     "route_to_slot": (self.total_routes, torch.int32),
@@ -236,6 +252,7 @@ def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torc
     if weights is not None:
         ws.local("weights", weights.numel()).copy_(weights.reshape(-1))
     ws.barrier(1)
+    ws.read_status()
     ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
     return pull_rows(plan, ws.table("rows"), meta.offsets, rows,
                      None if weights is None else ws.table("weights"))
@@ -261,7 +278,7 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2):
     del h
     y = _combine(ws, meta, topk_weights, x)
     ws.raise_if_timed_out()
-    raise_on_bad_ids(plan, meta.num_experts)
+    meta.id_range.raise_if_any()
     return y, x_pool, meta
 
 

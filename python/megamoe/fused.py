@@ -1,7 +1,7 @@
 """backend="fused": the Hopper kernels of the core behind one torch.library op.
 
 Forward: routing plan (ids out of range are counted on the GPU and raise once the launches are
-queued, see _IdRangeCheck) → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
+queued, see IdRangeCheck) → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
 GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
@@ -44,7 +44,7 @@ def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None
             f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
 
 
-class _IdRangeCheck:
+class IdRangeCheck:
     """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
     so no kernel reads out of bounds. The count comes to the host right behind the routing, and the
     forward checks it once all its kernels are queued: the host waits for this layer's routing, not
@@ -79,7 +79,7 @@ class _Pool:
         self.num_tokens, self.top_k = topk_ids.shape
         self.plan = (build_routing(topk_ids.to(torch.int32).contiguous(), num_local) if plan_buffer is None
                      else RoutingPlan.from_buffer(plan_buffer, self.num_tokens, self.top_k, num_local))
-        self.id_range = _IdRangeCheck(self.plan, num_local) if check_ids else None
+        self.id_range = IdRangeCheck(self.plan, num_local) if check_ids else None
         self.max_blocks = self.plan.block_expert.numel()
         self.rows = self.max_blocks * _native.BLOCK_M
         self.stream = _native.stream(x.device)
