@@ -1,7 +1,10 @@
 // CUDA routing plan in three deterministic passes (no atomics whose order shows in the result):
-//   1. count:  one warp per chunk of routes counts routes per local expert for that chunk;
+//   1. count:  one warp per chunk of routes counts routes per local expert and the invalid ids for
+//              that chunk; the grid also resets slot_to_route and block_expert to -1, so no memset
+//              launches precede it;
 //   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets and the block list
-//              (each expert's chunks in 8 ranges: sums side by side, then bases);
+//              (each expert's chunks in 8 ranges: sums side by side, then bases), and sums the
+//              chunks' invalid ids;
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
 // Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync.
 #include <cub/block/block_scan.cuh>
@@ -31,12 +34,24 @@ __device__ WarpGroupOfExpert group_lanes_by_expert(int32_t expert) {
   return {peers, __ffs(peers) - 1, __popc(peers & ((1u << lane) - 1u))};
 }
 
+// The workspace: per-chunk, per-expert counters, then one invalid-id count per chunk.
+__device__ __forceinline__ int32_t* chunk_invalid_counts(int32_t* chunk_counts, const megamoe_routing_shape& s) {
+  return chunk_counts + num_chunks(s) * s.num_local_experts;
+}
+
 __global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
-                             int32_t* __restrict__ chunk_counts, int32_t* __restrict__ num_invalid) {
+                             int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan, int64_t capacity) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < capacity; i += threads) {
+    plan.slot_to_route[i] = -1;
+    if (i < capacity / kBlockM) plan.block_expert[i] = -1;
+  }
   const int64_t chunk = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (chunk >= num_chunks(shape)) return;
   int32_t* counts = chunk_counts + chunk * shape.num_local_experts;
+  for (int32_t e = lane; e < shape.num_local_experts; e += 32) counts[e] = 0;
+  __syncwarp();
   const int64_t routes = num_routes(shape);
   int invalid = 0;
   for (int step = 0; step < kStepsPerChunk; ++step) {
@@ -49,7 +64,7 @@ __global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routi
     if (lane == group.leader && expert >= 0) counts[expert] += __popc(group.peers);
   }
   invalid = __reduce_add_sync(0xffffffffu, invalid);
-  if (lane == 0 && invalid > 0) atomicAdd(num_invalid, invalid);
+  if (lane == 0) chunk_invalid_counts(chunk_counts, shape)[chunk] = invalid;
 }
 
 // kScanBatch consecutive chunks' counts of expert e (0 past end_chunk), loaded together so that
@@ -75,8 +90,15 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
   const int group = threadIdx.x / kScanExperts;
   const int64_t first_chunk = group * chunks_per_group;
   const int64_t end_chunk = first_chunk + chunks_per_group < chunks ? first_chunk + chunks_per_group : chunks;
-  if (threadIdx.x == 0) blocks_before_tile = 0;
-  __syncthreads();
+  int32_t invalid = 0;
+  for (int64_t c = threadIdx.x; c < chunks; c += kScanThreads) invalid += chunk_invalid_counts(chunk_counts, shape)[c];
+  int32_t unused, total_invalid;
+  BlockScan(scan_storage).ExclusiveSum(invalid, unused, total_invalid);
+  if (threadIdx.x == 0) {
+    blocks_before_tile = 0;
+    *plan.num_invalid = total_invalid;
+  }
+  __syncthreads();  // also before scan_storage is used again
 
   for (int32_t tile = 0; tile < experts; tile += kScanExperts) {
     const int expert_in_tile = threadIdx.x % kScanExperts;
@@ -170,17 +192,9 @@ extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe
   const int64_t chunks = num_chunks(s);
   const int grid = int(ceil_div(chunks, kWarpsPerCta));
 
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      plan->slot_to_route, 0xff, sizeof(int32_t) * megamoe_routing_capacity(shape), stream));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      plan->block_expert, 0xff, sizeof(int32_t) * megamoe_routing_max_blocks(shape), stream));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(plan->num_invalid, 0, sizeof(int32_t), stream));
-  if (chunks > 0) {
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(chunk_counts, 0, megamoe_routing_workspace_bytes(shape), stream));
-    count_chunks<<<grid, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, plan->num_invalid);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
+  count_chunks<<<grid > 0 ? grid : 1, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, *plan,
+                                                                      megamoe_routing_capacity(shape));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (chunks > 0) {
