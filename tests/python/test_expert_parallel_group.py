@@ -70,7 +70,8 @@ def _spawn(fn, world, tmp_path, *args):
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0]])
+# K = 4: two ranks copy their peer's rows whole before the pull, four pull them in place.
+@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
 def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8)
 
