@@ -29,10 +29,9 @@ import itertools
 import torch
 
 from . import _native
-from .fused import check_fused_support
+from .fused import IdRangeCheck, check_fused_support
 from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
 from .routing import build_routing
-from .validation import id_range_message
 
 
 def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
@@ -111,13 +110,6 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, num_routes: int, dx_p
     return reduce_dp(dp_partial, plan, num_routes)
 
 
-def raise_on_bad_ids(plan, num_experts: int) -> None:
-    """Every owner's plan over all routes counts the same ids outside [-1, E): one plan tells."""
-    invalid = int(plan.num_invalid)
-    if invalid:
-        raise ValueError(id_range_message(num_experts, f"{invalid} ids outside it"))
-
-
 class _Ranks:
     """The W ranks' shared view: global route numbering, every owner's plan over all routes, and
     the peer tables the pull kernels take."""
@@ -130,6 +122,8 @@ class _Ranks:
         ids_all = torch.cat([ids.to(torch.int32) for ids in topk_ids]).contiguous()  # the metadata all-gather
         self.plans = [build_routing(ids_all, self.num_experts, d * self.num_local, self.num_local)
                       for d in range(self.world)]
+        # Every owner's plan over all routes counts the same ids outside [-1, E): one plan tells.
+        self.id_range = IdRangeCheck(self.plans[0], self.num_experts)
         self.offsets = (ctypes.c_int64 * (self.world + 1))(*self.route_offsets)
 
     def pull_rows(self, d, rows, weights=None):
@@ -156,7 +150,7 @@ def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.T
         h = grouped_gemm_swiglu(ranks.pull_rows(d, xs), w13s[d], plan)
         outs.append(grouped_gemm(h, w2s[d], plan))
     ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
-    raise_on_bad_ids(ranks.plans[0], ranks.num_experts)
+    ranks.id_range.raise_if_any()
     return ys
 
 
@@ -194,5 +188,5 @@ def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
     dp_all = torch.stack(dps).sum(0)
     dweights = [dp_all[ranks.route_offsets[r]:ranks.route_offsets[r + 1]].view(topk_weights[r].shape)
                 .to(topk_weights[r].dtype) for r in range(ranks.world)]
-    raise_on_bad_ids(ranks.plans[0], ranks.num_experts)
+    ranks.id_range.raise_if_any()
     return dxs, dweights, dw13s, dw2s

@@ -95,5 +95,6 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
     accumulate = int(out.dtype == torch.float32)
     _native.check(_native.library().megamoe_grouped_weight_grad_bf16(
         a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(), plan.expert_counts.data_ptr(),
-        plan.block_expert.numel(), out.shape[0], out.shape[1], out.shape[2], accumulate, accumulate, _native.stream(a.device)),
+        plan.block_expert.numel(), out.shape[0], out.shape[1], out.shape[2], accumulate, accumulate,
+        _native.stream(a.device)),
         "weight gradient")

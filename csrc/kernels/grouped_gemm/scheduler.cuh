@@ -10,8 +10,9 @@
 // and the math warpgroups each walk the same sequence independently.
 //
 // A scheduler policy gives the kernel: Params (a kernel parameter), a constructor from them,
-// valid() / advance(), kMayBeEmpty (whether a tile can have no k-blocks), tile() (what the math warpgroups and the epilogue need: k_blocks and the
-// tile's place) and origin<Cfg>(tile) (the producer's TMA coordinates of the tile's first k-block).
+// valid() / advance(), kMayBeEmpty (whether a tile can have no k-blocks), tile() (what the math
+// warpgroups and the epilogue need: k_blocks and the tile's place) and origin<Cfg>(tile) (the
+// producer's TMA coordinates of the tile's first k-block).
 // scheduler_expert.cuh is the K-grouped policy of the weight gradients.
 #pragma once
 
