@@ -255,16 +255,22 @@ def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torc
     ws.barrier(1)
     ws.read_status()
     ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
-    rows_table = _staged_rows_table(ws, meta, rows) if meta.top_k >= 2 * ws.world else ws.table("rows")
-    return pull_rows(plan, rows_table, meta.offsets, rows, None if weights is None else ws.table("weights"))
+    weights_table = None if weights is None else ws.table("weights")
+    if meta.top_k < 2 * ws.world:
+        return pull_rows(plan, ws.table("rows"), meta.offsets, rows, weights_table)
+    staged, rows_table = _staged_rows(ws, meta, rows)
+    # staged is freed only once the pull that reads it is queued: freed earlier, the caching
+    # allocator could hand its memory to the pull's own pool.
+    pool = pull_rows(plan, rows_table, meta.offsets, rows, weights_table)
+    del staged
+    return pool
 
 
-def _staged_rows_table(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
-    """Every peer's rows copied here whole, by the copy engine, and the pointer table of this rank's
-    rows and those copies. The pull reads a row once per route, so a token with K / W routes per
-    rank crosses the link about K / W times when read in place; copied whole, once (every token has
-    a route here but for a few when K >= 2 W). The copies live on the current stream until the pull
-    that reads them is queued."""
+def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
+    """(every peer's rows copied here whole by the copy engine, on the current stream; the pointer
+    table of this rank's rows and those copies). The pull reads a row once per route, so a token
+    with K / W routes per rank crosses the link about K / W times when read in place; copied whole,
+    once (every token has a route here but for a few when K >= 2 W)."""
     staged = rows.new_empty(sum(meta.tokens) - meta.tokens[ws.rank], meta.hidden)
     pointers, first = [], 0
     for r, tokens in enumerate(meta.tokens):
@@ -276,7 +282,7 @@ def _staged_rows_table(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
             ws.copy_from_peer(part, "rows", r, 0)
         pointers.append(part.data_ptr())
         first += tokens
-    return pointer_table(pointers)
+    return staged, pointer_table(pointers)
 
 
 def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
