@@ -10,7 +10,8 @@ here the ranks are processes, the peer tables point into the other ranks' memory
   publish      rank r copies its rows (x, or dy and its topk weights) into its shared buffer
   barrier 1
   own plan     each owner writes its routing plan's route -> slot table into its shared buffer
-  dispatch     each owner pulls its routes' rows from every rank's shared rows
+  dispatch     each owner pulls its routes' rows from every rank's shared rows (for K >= 2 W, from
+               whole copies of them made here first)
   experts      the single-rank kernels on the owner's pool; GEMM2 (or dx) into its shared out pool
   barrier 2
   combine      rank r pulls its routes' rows from their owners' out pools, fixed-order sum
@@ -254,8 +255,34 @@ def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torc
     ws.barrier(1)
     ws.read_status()
     ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
-    return pull_rows(plan, ws.table("rows"), meta.offsets, rows,
-                     None if weights is None else ws.table("weights"))
+    weights_table = None if weights is None else ws.table("weights")
+    if meta.top_k < 2 * ws.world:
+        return pull_rows(plan, ws.table("rows"), meta.offsets, rows, weights_table)
+    staged, rows_table = _staged_rows(ws, meta, rows)
+    # staged is freed only once the pull that reads it is queued: freed earlier, the caching
+    # allocator could hand its memory to the pull's own pool.
+    pool = pull_rows(plan, rows_table, meta.offsets, rows, weights_table)
+    del staged
+    return pool
+
+
+def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
+    """(every peer's rows copied here whole by the copy engine, on the current stream; the pointer
+    table of this rank's rows and those copies). The pull reads a row once per route, so a token
+    with K / W routes per rank crosses the link about K / W times when read in place; copied whole,
+    once (every token has a route here but for a few when K >= 2 W)."""
+    staged = rows.new_empty(sum(meta.tokens) - meta.tokens[ws.rank], meta.hidden)
+    pointers, first = [], 0
+    for r, tokens in enumerate(meta.tokens):
+        if r == ws.rank:
+            pointers.append(rows.data_ptr())
+            continue
+        part = staged[first:first + tokens]
+        if tokens:
+            ws.copy_from_peer(part, "rows", r, 0)
+        pointers.append(part.data_ptr())
+        first += tokens
+    return staged, pointer_table(pointers)
 
 
 def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ the single-rank fused layer on the whole problem."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 import megamoe
 from conftest import requires_cuda
+from megamoe.expert_parallel_group import _workspace
 from test_expert_parallel import _problem, _sm90
 
 
@@ -64,13 +66,39 @@ def _peer_skips_backward(rank, world, store):
     dist.destroy_process_group()
 
 
+def _late_at_barrier_2(rank, world, store):
+    """Rank 1 reaches barrier 2 after rank 0's wait there timed out (2 s), but in time for the next
+    barrier 1: rank 0 hears of it at that next call's check (the status is read behind barrier 1)."""
+    os.environ["MEGAMOE_EP_TIMEOUT_S"] = "2"
+    _init(rank, world, store)
+    torch.cuda.set_device(0)
+    ws = _workspace(dist.group.WORLD, torch.device("cuda", 0))
+    ws.barrier(1)
+    ws.read_status()
+    ws.raise_if_timed_out()
+    if rank == 1:
+        torch.cuda.synchronize()
+        time.sleep(3)
+    ws.barrier(2)
+    ws.barrier(1)
+    ws.read_status()
+    if rank == 0:
+        with pytest.raises(TimeoutError, match="combine .*phase 2 and rank 1 did not arrive"):
+            ws.raise_if_timed_out()
+    else:
+        ws.raise_if_timed_out()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawn(fn, world, tmp_path, *args):
     mp.spawn(fn, args=(world, str(tmp_path / "store"), *args), nprocs=world, join=True)
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0]])
+# K = 4: two ranks copy their peer's rows whole before the pull, four pull them in place.
+@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
 def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8)
 
@@ -86,6 +114,12 @@ def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 def test_rank_that_skips_the_backward_times_out_its_peer(tmp_path):
     _spawn(_peer_skips_backward, 2, tmp_path)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="megamoe's kernels need sm_90")
+def test_timeout_at_barrier_2_raises_at_the_next_call(tmp_path):
+    _spawn(_late_at_barrier_2, 2, tmp_path)
 
 
 @pytest.fixture
