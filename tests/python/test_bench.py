@@ -1,15 +1,18 @@
 """Smoke tests of `python -m megamoe.bench` on the CPU: it runs end to end and writes the JSON contract."""
 
 import json
+import time
 
 import pytest
 import torch
 
 from megamoe.bench import backends, main
+from megamoe.bench.timing import Budget, Device, measure
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb"}
-SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--repeat", "1"]
+SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--warmup-seconds", "0",
+         "--repeat", "1"]
 
 
 def read_results(out_dir):
@@ -42,6 +45,31 @@ def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
     assert records["grouped"]["fwd_vs_grouped"] == records["grouped"]["fwdbwd_vs_grouped"] == 1.0
     assert records["naive"]["fwd_vs_grouped"] > 0
     assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def _count_calls(sleep_s):
+    calls = []
+
+    def run(i):
+        calls.append(i)
+        time.sleep(sleep_s)
+    return calls, run
+
+
+def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock():
+    calls, run = _count_calls(0.005)
+    result = measure(run, lambda: None, Device(torch.device("cpu")),
+                     Budget(warmup=2, repeat=4, seconds=1.0, warmup_seconds=0.2))
+    assert result.repeats == 4
+    warm_ups = len(calls) - 4
+    assert 0.2 / 0.005 * 0.5 <= warm_ups <= 0.2 / 0.005 + 1  # by time, not by --warmup's 2
+
+
+def test_a_slow_backend_stops_warming_up_after_two_runs():
+    calls, run = _count_calls(0.15)
+    result = measure(run, lambda: None, Device(torch.device("cpu")),
+                     Budget(warmup=5, repeat=100, seconds=0.1, warmup_seconds=0.2))
+    assert len(calls) - result.repeats == 2 and result.repeats == 3  # MIN_REPEATS
 
 
 def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):

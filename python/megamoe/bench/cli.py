@@ -34,10 +34,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="fwd: forward under no_grad; fwdbwd: forward + y.backward(dy)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations, at least")
+    parser.add_argument("--warmup-seconds", type=float, default=1.0, metavar="SECONDS",
+                        help="and at least this long, so the GPU runs at its sustained (power-limited) clock")
+    parser.add_argument("--repeat", type=int, default=10000, help="timed iterations, at most")
     parser.add_argument("--budget", type=float, default=2.0, metavar="SECONDS",
-                        help="rough time per measurement: slow backends get fewer repeats (at least 3)")
+                        help="rough time per measurement: the repeats fill it (at least 3)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -45,8 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; --device cpu runs a smoke test")
-    if min(args.tokens) < 1 or args.warmup < 0 or args.repeat < 1:
-        parser.error("--tokens and --repeat must be >= 1, --warmup >= 0")
+    if min(args.tokens) < 1 or args.warmup < 0 or args.repeat < 1 or args.warmup_seconds < 0:
+        parser.error("--tokens and --repeat must be >= 1, --warmup and --warmup-seconds >= 0")
     return args
 
 
@@ -54,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = Device(torch.device(args.device))
-    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget)
+    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget, warmup_seconds=args.warmup_seconds)
     plan = Plan(presets=list(dict.fromkeys(args.preset)),
                 tokens=list(dict.fromkeys(args.tokens)),
                 routings=list(dict.fromkeys(args.routing)),
@@ -67,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     peaks = measure_peaks(device, budget)
     records = run_plan(plan, device)
     fill_derived(records, peaks.bf16_tflops)
-    settings = {"device": args.device, "warmup": args.warmup, "repeat": args.repeat, "budget_s": args.budget}
+    settings = {"device": args.device, "warmup": args.warmup, "warmup_s": args.warmup_seconds, "repeat": args.repeat,
+                "budget_s": args.budget}
     result = build_result(records, peaks, device.name(), argv, settings)
     paths = write_json(result, args.out)
     print_table(result)

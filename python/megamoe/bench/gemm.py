@@ -65,12 +65,12 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384])
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced", "skewed"])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations, at least, and 1 s at least")
+    parser.add_argument("--repeat", type=int, default=10000, help="timed iterations, at most (about 2 s of them)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     device = Device(torch.device("cuda"))
-    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=2.0)
+    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=2.0, warmup_seconds=1.0)
     records = [r for p in args.preset for t in args.tokens for rt in args.routing
                for r in bench_one(p, t, rt, device, budget)]
     result = {**provenance(device.name(), "megamoe.bench.gemm", argv), "records": records}

@@ -18,9 +18,13 @@ MIN_REPEATS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    warmup: int  # warm-up iterations (at most; a slow backend stops after 2 once `seconds` is spent)
+    warmup: int  # warm-up iterations (at least 2 if any; a slow backend stops there once `seconds` is spent)
     repeat: int  # timed iterations (at most)
     seconds: float  # rough wall-clock allowance per measurement; bounds the repeats of slow backends
+    # Warm up for at least this long. Under a sustained load the H200 reaches its 700 W limit within
+    # about half a second and lowers its clock (1.98 GHz -> 1.4-1.5 GHz under the fused GEMMs); a
+    # measurement of a few dozen iterations right after a pause times the boost clock instead.
+    warmup_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +94,17 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
     Iterations are enqueued back to back without synchronising, so a launch-bound backend is
     charged for its launch gaps and a GPU-bound one for its kernels only.
     """
-    spent_s, last_s = 0.0, None
-    for i in range(budget.warmup):
+    spent_s, last_s, i = 0.0, None, 0
+    while i < budget.warmup or spent_s < budget.warmup_seconds:
         reset()
         start = time.perf_counter()
         run(i)
         device.synchronize()
         last_s = time.perf_counter() - start
         spent_s += last_s
-        # At least two warm-ups when asked for: the first may include compilation or autotuning.
-        if i >= 1 and spent_s > budget.seconds:
+        i += 1
+        # At least two warm-ups: the first may include compilation or autotuning.
+        if i >= 2 and spent_s > max(budget.seconds, budget.warmup_seconds):
             break
     repeats = budget.repeat
     if last_s is not None:
