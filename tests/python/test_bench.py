@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from megamoe.bench import backends, main
-from megamoe.bench.timing import Budget, Device, measure
+from megamoe.bench.timing import Budget, Device, mean_clock_and_power, measure
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
-RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb"}
+RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb",
+               "fwd_sm_mhz", "fwdbwd_sm_mhz"}
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--warmup-seconds", "0",
          "--repeat", "1"]
 
@@ -40,6 +41,7 @@ def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
         assert r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0
         assert r["routes"] == 64 * 2  # tiny: K = 2, nothing masked
         assert r["peak_mem_gb"] is None  # only measured on a GPU
+        assert r["fwd_sm_mhz"] is None and r["fwdbwd_sm_mhz"] is None  # likewise the clock
         # At least x's activations are kept for the backward: 64 tokens x 256 hidden x 2 bytes.
         assert r["saved_gb"] >= 64 * 256 * 2 / 1e9
     assert records["grouped"]["fwd_vs_grouped"] == records["grouped"]["fwdbwd_vs_grouped"] == 1.0
@@ -63,6 +65,11 @@ def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock(
     assert result.repeats == 4
     warm_ups = len(calls) - 4
     assert 0.2 / 0.005 * 0.5 <= warm_ups <= 0.2 / 0.005 + 1  # by time, not by --warmup's 2
+
+
+def test_clock_samples_are_averaged_and_what_is_not_a_number_is_left_out():
+    assert mean_clock_and_power("1500, 690.5\n1400, 700.5\n[N/A], [N/A]\n14") == (1450.0, 695.5)
+    assert mean_clock_and_power("") == (None, None)
 
 
 def test_a_slow_backend_stops_warming_up_after_two_runs():

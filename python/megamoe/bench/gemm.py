@@ -56,6 +56,7 @@ def bench_one(preset: str, tokens: int, routing: str, device: Device, budget: Bu
                             "n": n, "k": k, "routes": routes, "pool_rows": live_rows,
                             "backend": backend, "ms": m.median_ms,
                             "tflops": flops / (m.median_ms * 1e-3) / 1e12,
+                            "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w,
                             "rel_error_vs_torch": error})
     return records
 
@@ -77,10 +78,12 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gemm_latest.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'preset':16} {'tokens':>6} {'routing':9} {'gemm':6} {'backend':18} {'ms':>8} {'TFLOPS':>7} {'rel.err':>8}")
+    print(f"{'preset':16} {'tokens':>6} {'routing':9} {'gemm':6} {'backend':18} {'ms':>8} {'TFLOPS':>7} "
+          f"{'MHz':>5} {'rel.err':>8}")
     for r in records:
+        mhz = "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}"
         print(f"{r['preset']:16} {r['tokens']:>6} {r['routing']:9} {r['gemm']:6} {r['backend']:18} "
-              f"{r['ms']:8.3f} {r['tflops']:7.1f} {r['rel_error_vs_torch']:8.1e}")
+              f"{r['ms']:8.3f} {r['tflops']:7.1f} {mhz:>5} {r['rel_error_vs_torch']:8.1e}")
     print(f"wrote {path}")
     return 0
 

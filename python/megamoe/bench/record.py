@@ -32,6 +32,11 @@ class Record:
     routes: int = 0  # non-masked (token, expert) routes
     fwd_repeats: int | None = None
     fwdbwd_repeats: int | None = None
+    # Mean SM clock (MHz) and board power (W) over the timed iterations; None without nvidia-smi.
+    fwd_sm_mhz: float | None = None
+    fwdbwd_sm_mhz: float | None = None
+    fwd_power_w: float | None = None
+    fwdbwd_power_w: float | None = None
     skipped: str | None = None  # why a requested mode has no time ("fwdbwd: ..." when only one failed)
     # Derived (fill_derived).
     fwd_tflops: float | None = None

@@ -23,6 +23,7 @@ def build_result(records: list[Record], peaks: Peaks, gpu: str, argv: list[str],
         "peak_bf16_tflops": peaks.bf16_tflops,
         "peak_fp8_tflops": peaks.fp8_tflops,
         "peak_gemm_size": peaks.gemm_size,
+        "peak_bf16_sm_mhz": peaks.bf16_sm_mhz,
         "settings": settings,
         "records": [dataclasses.asdict(r) for r in records],
     }
@@ -70,8 +71,8 @@ def write_json(result: dict, out_dir: Path) -> list[Path]:
 
 
 COLUMNS = ("preset", "tokens", "routing", "backend", "prec",
-           "fwd ms", "TFLOPS", "% peak", "× grouped",
-           "fwd+bwd ms", "TFLOPS", "% peak", "× grouped",
+           "fwd ms", "TFLOPS", "% peak", "× grouped", "MHz",
+           "fwd+bwd ms", "TFLOPS", "% peak", "× grouped", "MHz",
            "mem GB", "saved GB", "skipped")
 TEXT_COLUMNS = {0, 2, 3, 4, len(COLUMNS) - 1}  # left-aligned; the numbers are right-aligned
 
@@ -82,7 +83,8 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
         row = [r["preset"], str(r["tokens"]), r["routing"], r["backend"], r["precision"]]
         for mode in ("fwd", "fwdbwd"):
             row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt_tflops(r[f"{mode}_tflops"]),
-                    _fmt(r[f"{mode}_pct_bf16_peak"], ".0f"), _fmt(r[f"{mode}_vs_grouped"], ".2f")]
+                    _fmt(r[f"{mode}_pct_bf16_peak"], ".0f"), _fmt(r[f"{mode}_vs_grouped"], ".2f"),
+                    _fmt(r.get(f"{mode}_sm_mhz"), ".0f")]
         row += [_fmt(r["peak_mem_gb"], ".1f"), _fmt(r["saved_gb"], ".2f"), _shorten(r["skipped"] or "", 60)]
         rows.append(tuple(row))
     return rows
@@ -90,7 +92,8 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
 
 def print_table(result: dict) -> None:
     title = (f"{result['gpu']}  commit {result['commit']}  torch {result['torch']}  "
-             f"dense {result['peak_gemm_size']}³ peak: bf16 {_fmt_tflops(result['peak_bf16_tflops'])} TFLOPS, "
+             f"dense {result['peak_gemm_size']}³ peak: bf16 {_fmt_tflops(result['peak_bf16_tflops'])} TFLOPS"
+             f" at {_fmt(result.get('peak_bf16_sm_mhz'), '.0f')} MHz, "
              f"fp8 {_fmt_tflops(result['peak_fp8_tflops'])} TFLOPS")
     rows = table_rows(result)
     try:

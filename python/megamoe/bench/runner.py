@@ -144,6 +144,8 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
             continue
         setattr(record, f"{mode}_ms", result.median_ms)
         setattr(record, f"{mode}_repeats", result.repeats)
+        setattr(record, f"{mode}_sm_mhz", result.sm_clock_mhz)
+        setattr(record, f"{mode}_power_w", result.power_w)
         if result.peak_extra_bytes is not None:
             operand_bytes = sets[0].nbytes() + (dy.numel() * dy.element_size() if mode == "fwdbwd" else 0)
             # The last mode wins, so fwdbwd's figure is kept when both ran.

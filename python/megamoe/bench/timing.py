@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import platform
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -32,6 +34,8 @@ class Measurement:
     median_ms: float
     repeats: int
     peak_extra_bytes: int | None  # device memory allocated on top of what was live before; None on CPU
+    sm_clock_mhz: float | None = None  # mean over the timed iterations (ClockSampler)
+    power_w: float | None = None
 
 
 class Device:
@@ -86,6 +90,50 @@ class Device:
             torch.cuda.empty_cache()
 
 
+class ClockSampler:
+    """The GPU's mean SM clock (MHz) and board power (W) over a region, from nvidia-smi sampling every
+    100 ms. Under the power limit the clock sets much of a kernel's time, so each measurement records
+    the clock it ran at. None without a GPU or nvidia-smi, or for a region shorter than nvidia-smi's
+    start-up (no sample)."""
+
+    def __init__(self, device: Device):
+        self._command, self._process = None, None
+        self.sm_clock_mhz = self.power_w = None
+        uuid = getattr(torch.cuda.get_device_properties(device.device), "uuid", None) if device.is_cuda else None
+        if uuid is not None and shutil.which("nvidia-smi"):
+            self._command = ["nvidia-smi", "-i", f"GPU-{uuid}", "--query-gpu=clocks.sm,power.draw",
+                             "--format=csv,noheader,nounits", "-lms", "100"]
+
+    def __enter__(self) -> ClockSampler:
+        if self._command is not None:
+            self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                             text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        out, _ = self._process.communicate(timeout=10)
+        self.sm_clock_mhz, self.power_w = mean_clock_and_power(out)
+
+
+def mean_clock_and_power(samples: str) -> tuple[float | None, float | None]:
+    """Means of nvidia-smi's "clock, power" lines; lines that are not two numbers ("[N/A]", a line
+    cut off by the stop) are left out."""
+    pairs = []
+    for line in samples.splitlines():
+        try:
+            values = tuple(float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        if len(values) == 2:
+            pairs.append(values)
+    if not pairs:
+        return None, None
+    return statistics.mean(c for c, _ in pairs), statistics.mean(p for _, p in pairs)
+
+
 def measure(run: Callable[[int], None], reset: Callable[[], None], device: Device,
             budget: Budget) -> Measurement:
     """Median time of run(i) over the timed iterations, after warm-up.
@@ -113,13 +161,14 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
     reset()
     baseline = device.start_peak_tracking()
     marks = []
-    for i in range(repeats):
-        reset()
-        start = device.mark()
-        run(i)
-        marks.append((start, device.mark()))
-    device.synchronize()
+    with ClockSampler(device) as clocks:
+        for i in range(repeats):
+            reset()
+            start = device.mark()
+            run(i)
+            marks.append((start, device.mark()))
+        device.synchronize()
     peak_extra = device.peak_bytes_since(baseline)
     reset()
     median_ms = statistics.median(device.elapsed_ms(start, end) for start, end in marks)
-    return Measurement(median_ms, repeats, peak_extra)
+    return Measurement(median_ms, repeats, peak_extra, clocks.sm_clock_mhz, clocks.power_w)
