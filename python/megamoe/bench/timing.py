@@ -106,15 +106,23 @@ class ClockSampler:
 
     def __enter__(self) -> ClockSampler:
         if self._command is not None:
-            self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                             text=True)
+            try:
+                self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                 text=True)
+            except OSError:  # nvidia-smi there but not runnable: no clock for this figure
+                self._process = None
         return self
 
     def __exit__(self, *exc) -> None:
         if self._process is None:
             return
         self._process.terminate()
-        out, _ = self._process.communicate(timeout=10)
+        try:
+            out, _ = self._process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a hung nvidia-smi costs the figure its clock, not the run
+            self._process.kill()
+            self._process.communicate()
+            return
         self.sm_clock_mhz, self.power_w = mean_clock_and_power(out)
 
 
