@@ -25,6 +25,7 @@ from megamoe.shapes import PRESETS, make_inputs
 from . import backends, runner
 from .record import MODES
 from .report import provenance
+from .timing import SUSTAINED_WARMUP_S
 
 NAME_WIDTH = 90
 GAPS_SHOWN = 12
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--mode", choices=MODES, default="fwdbwd")
     parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--warmup-seconds", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
                         help="keep the GPU busy this long first, so the profiled kernels run at the sustained "
                              "(power-limited) clock, as the benchmark times them")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -16,6 +16,11 @@ import torch
 # Slow backends get fewer repeats (see Budget.seconds), but never fewer than this: a median of
 # one or two samples is too easily thrown by a single hiccup.
 MIN_REPEATS = 3
+# The benchmarks' defaults, the sustained case (Budget.warmup_seconds): warm up at least this long,
+# then fill about this long with timed iterations; the cap on their number is not what ends them.
+SUSTAINED_WARMUP_S = 1.0
+SUSTAINED_BUDGET_S = 2.0
+REPEAT_CAP = 10000
 
 
 @dataclasses.dataclass(frozen=True)
