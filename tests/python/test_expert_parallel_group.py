@@ -3,6 +3,7 @@ tests run W processes, on one GPU (gloo group) and, where there are several, one
 group, peer access between the GPUs); every rank's output and gradients must equal, bit for bit,
 the single-rank fused layer on the whole problem."""
 
+import argparse
 import json
 import os
 import time
@@ -145,7 +146,7 @@ def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
 def test_ep_bench_runs_on_one_gpu(tmp_path):
     from megamoe.bench import ep
     assert ep.main(["--preset", "tiny", "--tokens", "256", "--one-gpu", "--warmup", "1", "--repeat", "2",
-                    "--out", str(tmp_path)]) == 0
+                    "--warmup-seconds", "0", "--budget", "0.1", "--out", str(tmp_path)]) == 0
     (record,) = json.loads((tmp_path / "ep_latest.json").read_text())["records"]
     assert record["world"] == 2
     assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms"))
@@ -155,3 +156,16 @@ def test_ep_bench_checks_its_world_before_starting(tmp_path):
     from megamoe.bench import ep
     with pytest.raises(SystemExit):
         ep.main(["--preset", "tiny", "--world", "64", "--out", str(tmp_path)])
+
+
+def test_ep_bench_ranks_derive_the_same_iteration_counts_from_the_slowest_probe(tmp_path):
+    """The counts fill --warmup-seconds and --budget at the all-reduced (slowest) probe time."""
+    from megamoe.bench import ep
+    args = argparse.Namespace(one_gpu=True, warmup=3, warmup_seconds=1.0, repeat=10000, budget=2.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        budget = ep._agreed_budget(args, torch.device("cpu"))
+        assert (budget(10.0).warmup, budget(10.0).repeat) == (100, 200)
+        assert (budget(1000.0).warmup, budget(1000.0).repeat) == (3, 3)  # the floors: --warmup, MIN_REPEATS
+    finally:
+        dist.destroy_process_group()

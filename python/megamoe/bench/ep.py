@@ -5,15 +5,18 @@ one GPU, for one global batch of tokens.
 
 W processes are started, one per GPU (NCCL group) or, with --one-gpu, all on GPU 0 (gloo group:
 a check of the path, not a speed figure, since the processes take turns on the GPU). Each rank
-routes tokens / W tokens over all E experts and holds E / W of them. Every rank times the same
-fixed number of iterations (the calls are collective); a layer's time is the slowest rank's median.
-Rank 0 first times the single-GPU fused layer on the whole batch with the same routing.
+routes tokens / W tokens over all E experts and holds E / W of them. Every rank makes the same calls
+(they are collective): the ranks time a few iterations, agree on the slowest rank's time, and from it
+on the numbers of warm-up and timed iterations that fill --warmup-seconds and --budget, so the layer
+is timed sustained, as in `python -m megamoe.bench`. A layer's time is the slowest rank's median.
+Rank 0 first times the single-GPU fused layer on the whole batch with the same routing (sustained).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,9 +29,10 @@ import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
 from .report import provenance
-from .timing import Budget, Device, measure
+from .timing import MIN_REPEATS, REPEAT_CAP, SUSTAINED_BUDGET_S, SUSTAINED_WARMUP_S, Budget, Device, measure
 
 _FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
+_PROBE = Budget(warmup=2, repeat=3, seconds=_FIXED)
 
 
 def _problem(shape, tokens: int, routing: str, device: torch.device):
@@ -43,8 +47,9 @@ def _problem(shape, tokens: int, routing: str, device: torch.device):
     return x, ids.to(device), weights.to(device), w13, w2
 
 
-def _time(fn, params: list[torch.Tensor], dy: torch.Tensor, device: Device, budget: Budget) -> dict:
-    """fwd (no_grad) and fwd+bwd medians of fn() -> y in ms; params' gradients dropped between runs."""
+def _time(fn, params: list[torch.Tensor], dy: torch.Tensor, device: Device, budget) -> dict:
+    """fwd (no_grad) and fwd+bwd medians of fn() -> y in ms; params' gradients dropped between runs.
+    budget: a Budget, or a function of a mode's probe-measured ms that returns the Budget (collective)."""
     def forward(_):
         with torch.no_grad():
             fn()
@@ -56,8 +61,24 @@ def _time(fn, params: list[torch.Tensor], dy: torch.Tensor, device: Device, budg
         for p in params:
             p.grad = None
 
-    return {"fwd_ms": measure(forward, reset, device, budget).median_ms,
-            "fwdbwd_ms": measure(forward_backward, reset, device, budget).median_ms}
+    def timed(run):
+        if isinstance(budget, Budget):
+            return measure(run, reset, device, budget).median_ms
+        return measure(run, reset, device, budget(measure(run, reset, device, _PROBE).median_ms)).median_ms
+
+    return {"fwd_ms": timed(forward), "fwdbwd_ms": timed(forward_backward)}
+
+
+def _agreed_budget(args: argparse.Namespace, cuda: torch.device):
+    """Per mode: the slowest rank's probe time (an all-reduce) -> the same warm-up and timed
+    iteration counts on every rank, filling --warmup-seconds and --budget."""
+    def budget(probe_ms: float) -> Budget:
+        slowest = torch.tensor([probe_ms], dtype=torch.float64, device="cpu" if args.one_gpu else cuda)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        ms = max(float(slowest.item()), 1e-3)
+        return Budget(warmup=max(args.warmup, math.ceil(args.warmup_seconds * 1e3 / ms)),
+                      repeat=min(args.repeat, max(MIN_REPEATS, math.ceil(args.budget * 1e3 / ms))), seconds=_FIXED)
+    return budget
 
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -66,7 +87,9 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                             world_size=world)
     cuda = torch.device("cuda", 0 if args.one_gpu else rank)
     torch.cuda.set_device(cuda)
-    device, budget = Device(cuda), Budget(warmup=args.warmup, repeat=args.repeat, seconds=_FIXED)
+    device, agreed = Device(cuda), _agreed_budget(args, cuda)
+    one_gpu_budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget,
+                            warmup_seconds=args.warmup_seconds)
     records = []
     for preset in args.preset:
         shape = PRESETS[preset]
@@ -77,7 +100,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                 record = {"preset": preset, "tokens": tokens, "routing": routing, "world": world}
                 if rank == 0:
                     params = [t.requires_grad_() for t in (x.clone(), weights.clone(), w13.clone(), w2.clone())]
-                    one = _time(lambda: megamoe.moe(params[0], ids, *params[1:]), params, dy, device, budget)
+                    one = _time(lambda: megamoe.moe(params[0], ids, *params[1:]), params, dy, device,
+                                one_gpu_budget)
                     record.update({f"one_gpu_{k}": v for k, v in one.items()})
                 dist.barrier()
                 tokens_r, local = tokens // world, shape.num_experts // world
@@ -85,7 +109,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                 params = [t[part].clone().requires_grad_() for t, part in
                           ((x, mine), (weights, mine), (w13, experts), (w2, experts))]
                 ep = _time(lambda: megamoe.moe(params[0], ids[mine], *params[1:], group=dist.group.WORLD), params,
-                           dy[mine], device, budget)
+                           dy[mine], device, agreed)
                 slowest = [None] * world
                 dist.all_gather_object(slowest, ep)
                 record.update({k: max(r[k] for r in slowest) for k in ep})
@@ -103,8 +127,12 @@ def main(argv=None) -> int:
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 with --one-gpu)")
     parser.add_argument("--one-gpu", action="store_true", help="all ranks on GPU 0 (checks the path, not its speed)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations, at least")
+    parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
+                        help="and at least this long, so the GPUs run at their sustained (power-limited) clock")
+    parser.add_argument("--repeat", type=int, default=REPEAT_CAP, help="timed iterations, at most")
+    parser.add_argument("--budget", type=float, default=SUSTAINED_BUDGET_S, metavar="SECONDS",
+                        help="time of the timed iterations")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count()
