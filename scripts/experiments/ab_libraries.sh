@@ -5,18 +5,24 @@
 #   bash scripts/experiments/ab_libraries.sh <name> ... [-- <megamoe.bench args>]
 # AB_MODULE=megamoe.bench.profile compares kernel by kernel instead (args: that module's, e.g.
 # -- --preset qwen3-30b-a3b --mode fwdbwd --iterations 10); it prints each profile's head.
+# AB_MODULE=time_moe times each revision's megamoe.moe with this tree's timing (time_moe.py; args:
+# its --preset / --tokens), for revisions whose own benchmark predates the sustained defaults.
 set -u
 module=${AB_MODULE:-megamoe.bench}
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift
-default_args="--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd --warmup 2 --repeat 10 --budget 0.5"
+default_args="--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd"
 [ "$module" = megamoe.bench ] || default_args=""
 bench_args=${*:-$default_args}
 bash "$(dirname "$0")/build_libraries.sh" "${names[@]}"
 for round in 1 2; do
   for n in "${names[@]}"; do
     echo "== $n (round $round)"
+    case "$module" in
+      time_moe) runner=(python3 "$(dirname "$0")/time_moe.py" --label "$n") ;;
+      *) runner=(python3 -m "$module") ;;
+    esac
     MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
-      timeout 200 python3 -m $module $bench_args --out $OUT/$n-$round 2>&1 |
-      if [ "$module" = megamoe.bench ]; then grep "│"; else head -12; fi
+      timeout 200 "${runner[@]}" $bench_args --out $OUT/$n-$round 2>&1 |
+      case "$module" in megamoe.bench) grep "│" ;; time_moe) grep "^{" ;; *) head -12 ;; esac
   done
 done

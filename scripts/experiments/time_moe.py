@@ -1,0 +1,73 @@
+"""Sustained fwd / fwd+bwd times of `megamoe.moe` from whichever megamoe package is on PYTHONPATH,
+timed with this tree's bench/timing.py (its warm-up seconds, timed seconds, clock and power sampling).
+
+For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
+AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have
+kept their signatures. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import megamoe
+from megamoe.shapes import PRESETS, make_inputs
+
+
+def load_timing():
+    path = Path(__file__).resolve().parents[2] / "python" / "megamoe" / "bench" / "timing.py"
+    spec = importlib.util.spec_from_file_location("this_tree_timing", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    timing = load_timing()
+    device = timing.Device(torch.device("cuda", 0))
+    budget = timing.Budget(warmup=2, repeat=timing.REPEAT_CAP, seconds=timing.SUSTAINED_BUDGET_S,
+                           warmup_seconds=timing.SUSTAINED_WARMUP_S)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "time_moe.jsonl", "a") as log:
+        for preset in args.preset:
+            for mode, m in time_preset(timing, device, budget, PRESETS[preset], args.tokens):
+                line = json.dumps({"label": args.label, "preset": preset, "tokens": args.tokens, "mode": mode,
+                                   "ms": round(m.median_ms, 4), "repeats": m.repeats, "sm_mhz": m.sm_clock_mhz,
+                                   "power_w": m.power_w})
+                print(line, flush=True)
+                log.write(line + "\n")
+            torch.cuda.empty_cache()
+
+
+def time_preset(timing, device, budget, shape, tokens: int):
+    """(mode, Measurement) of the no-grad forward and of forward + backward, balanced routing."""
+    x, ids, weights, w13, w2 = make_inputs(shape, tokens, device="cuda")
+    params = [t.requires_grad_() for t in (x, weights, w13, w2)]
+    dy = torch.randn_like(x)
+
+    def reset():
+        for p in params:
+            p.grad = None
+
+    def forward(_):
+        with torch.no_grad():
+            megamoe.moe(params[0], ids, *params[1:])
+
+    def forward_backward(_):
+        megamoe.moe(params[0], ids, *params[1:]).backward(dy)
+
+    return [(mode, timing.measure(run, reset, device, budget))
+            for mode, run in (("fwd", forward), ("fwdbwd", forward_backward))]
+
+if __name__ == "__main__":
+    main()
