@@ -67,6 +67,19 @@ def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock(
     assert 0.2 / 0.005 * 0.5 <= warm_ups <= 0.2 / 0.005 + 1  # by time, not by --warmup's 2
 
 
+def test_a_devices_first_sustained_warm_up_lasts_until_the_power_settles():
+    device = Device(torch.device("cpu"))
+    device.settle_seconds = 0.3  # a GPU's FIRST_LOAD_WARMUP_S, shortened
+    budget = Budget(warmup=2, repeat=1, seconds=1.0, warmup_seconds=0.1)
+    warm_ups = []
+    for _ in range(2):
+        calls, run = _count_calls(0.005)
+        measure(run, lambda: None, device, budget)
+        warm_ups.append(len(calls) - 1)
+    assert warm_ups[0] >= 0.3 / 0.005 * 0.5 and warm_ups[1] <= 0.1 / 0.005 + 1
+    assert warm_ups[0] > 2 * warm_ups[1]
+
+
 def test_clock_samples_are_averaged_and_what_is_not_a_number_is_left_out():
     assert mean_clock_and_power("1500, 690.5\n1400, 700.5\n[N/A], [N/A]\n14") == (1450.0, 695.5)
     assert mean_clock_and_power("") == (None, None)

@@ -21,6 +21,11 @@ MIN_REPEATS = 3
 SUSTAINED_WARMUP_S = 1.0
 SUSTAINED_BUDGET_S = 2.0
 REPEAT_CAP = 10000
+# A GPU that was idle before (a process's first measurement) stays below its power limit for the
+# first seconds of load: on the H200 the first figure of a process ran at ~510 W and 2.45 ms where the
+# same call right after ran at 692 W and 2.52 ms (bench/results/logs/power_first_figure_5d938a3.log).
+# A device's first sustained warm-up therefore lasts at least this long.
+FIRST_LOAD_WARMUP_S = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,8 @@ class Device:
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # The next sustained warm-up's minimum (FIRST_LOAD_WARMUP_S until the first one ran).
+        self.settle_seconds = FIRST_LOAD_WARMUP_S if self.is_cuda else 0.0
 
     def name(self) -> str:
         if self.is_cuda:
@@ -155,8 +162,11 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
     Iterations are enqueued back to back without synchronising, so a launch-bound backend is
     charged for its launch gaps and a GPU-bound one for its kernels only.
     """
+    warmup_s = budget.warmup_seconds
+    if warmup_s > 0:
+        warmup_s, device.settle_seconds = max(warmup_s, device.settle_seconds), 0.0
     spent_s, last_s, i = 0.0, None, 0
-    while i < budget.warmup or spent_s < budget.warmup_seconds:
+    while i < budget.warmup or spent_s < warmup_s:
         reset()
         start = time.perf_counter()
         run(i)
@@ -165,7 +175,7 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
         spent_s += last_s
         i += 1
         # At least two warm-ups: the first may include compilation or autotuning.
-        if i >= 2 and spent_s > max(budget.seconds, budget.warmup_seconds):
+        if i >= 2 and spent_s > max(budget.seconds, warmup_s):
             break
     repeats = budget.repeat
     if last_s is not None:
