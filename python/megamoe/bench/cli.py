@@ -17,7 +17,7 @@ from .peak import measure_peaks
 from .record import MODES, fill_derived
 from .report import build_result, print_table, write_json
 from .runner import Plan, run_plan
-from .timing import REPEAT_CAP, SUSTAINED_BUDGET_S, SUSTAINED_WARMUP_S, Budget, Device
+from .timing import Budget, Device
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -34,12 +34,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="fwd: forward under no_grad; fwdbwd: forward + y.backward(dy)")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations, at least")
-    parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
-                        help="and at least this long, so the GPU runs at its sustained (power-limited) clock")
-    parser.add_argument("--repeat", type=int, default=REPEAT_CAP, help="timed iterations, at most")
-    parser.add_argument("--budget", type=float, default=SUSTAINED_BUDGET_S, metavar="SECONDS",
-                        help="rough time per measurement: the repeats fill it (at least 3)")
+    Budget.add_arguments(parser, warmup=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -56,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = Device(torch.device(args.device))
-    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget, warmup_seconds=args.warmup_seconds)
+    budget = Budget.from_arguments(args)
     plan = Plan(presets=list(dict.fromkeys(args.preset)),
                 tokens=list(dict.fromkeys(args.tokens)),
                 routings=list(dict.fromkeys(args.routing)),

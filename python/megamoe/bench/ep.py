@@ -29,7 +29,7 @@ import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
 from .report import provenance
-from .timing import MIN_REPEATS, REPEAT_CAP, SUSTAINED_BUDGET_S, SUSTAINED_WARMUP_S, Budget, Device, measure
+from .timing import MIN_REPEATS, Budget, Device, measure
 
 _FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
 _PROBE = Budget(warmup=2, repeat=3, seconds=_FIXED)
@@ -88,8 +88,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     cuda = torch.device("cuda", 0 if args.one_gpu else rank)
     torch.cuda.set_device(cuda)
     device, agreed = Device(cuda), _agreed_budget(args, cuda)
-    one_gpu_budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=args.budget,
-                            warmup_seconds=args.warmup_seconds)
+    one_gpu_budget = Budget.from_arguments(args)
     records = []
     for preset in args.preset:
         shape = PRESETS[preset]
@@ -127,12 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 with --one-gpu)")
     parser.add_argument("--one-gpu", action="store_true", help="all ranks on GPU 0 (checks the path, not its speed)")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations, at least")
-    parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
-                        help="and at least this long, so the GPUs run at their sustained (power-limited) clock")
-    parser.add_argument("--repeat", type=int, default=REPEAT_CAP, help="timed iterations, at most")
-    parser.add_argument("--budget", type=float, default=SUSTAINED_BUDGET_S, metavar="SECONDS",
-                        help="time of the timed iterations")
+    Budget.add_arguments(parser, warmup=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count()

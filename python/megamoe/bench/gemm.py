@@ -21,7 +21,7 @@ from megamoe.routing import build_routing
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
 from .report import provenance
-from .timing import REPEAT_CAP, SUSTAINED_BUDGET_S, SUSTAINED_WARMUP_S, Budget, Device, measure
+from .timing import Budget, Device, measure
 
 
 def gemm_problems(preset: str) -> dict[str, tuple[int, int]]:
@@ -66,15 +66,11 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384])
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced", "skewed"])
-    parser.add_argument("--warmup", type=int, default=5,
-                        help=f"warm-up iterations, at least, and {SUSTAINED_WARMUP_S:g} s at least")
-    parser.add_argument("--repeat", type=int, default=REPEAT_CAP,
-                        help=f"timed iterations, at most (about {SUSTAINED_BUDGET_S:g} s of them)")
+    Budget.add_arguments(parser, warmup=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     device = Device(torch.device("cuda"))
-    budget = Budget(warmup=args.warmup, repeat=args.repeat, seconds=SUSTAINED_BUDGET_S,
-                    warmup_seconds=SUSTAINED_WARMUP_S)
+    budget = Budget.from_arguments(args)
     records = [r for p in args.preset for t in args.tokens for rt in args.routing
                for r in bench_one(p, t, rt, device, budget)]
     result = {**provenance(device.name(), "megamoe.bench.gemm", argv), "records": records}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import platform
@@ -37,6 +38,20 @@ class Budget:
     # about half a second and lowers its clock (1.98 GHz -> 1.4-1.5 GHz under the fused GEMMs); a
     # measurement of a few dozen iterations right after a pause times the boost clock instead.
     warmup_seconds: float = 0.0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, warmup: int) -> None:
+        """--warmup, --warmup-seconds, --repeat and --budget, defaulting to the sustained case."""
+        parser.add_argument("--warmup", type=int, default=warmup, help="warm-up iterations, at least")
+        parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
+                            help="and at least this long, so the GPU runs at its sustained (power-limited) clock")
+        parser.add_argument("--repeat", type=int, default=REPEAT_CAP, help="timed iterations, at most")
+        parser.add_argument("--budget", type=float, default=SUSTAINED_BUDGET_S, metavar="SECONDS",
+                            help="rough time per measurement: the repeats fill it (at least 3)")
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> Budget:
+        return cls(warmup=args.warmup, repeat=args.repeat, seconds=args.budget, warmup_seconds=args.warmup_seconds)
 
 
 @dataclasses.dataclass(frozen=True)
