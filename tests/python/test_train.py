@@ -150,7 +150,8 @@ def test_shipped_benchmark_config_is_qwen3_30b_shaped_and_fused():
 
 
 def test_bench_entry_point_records_every_backend(tmp_path):
-    assert bench.main(["--config", str(TINY), *CPU, "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--config", str(TINY), *CPU, "--warmup", "1", "--warmup-seconds", "0", "--steps", "2",
+                       "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "train_latest.json").read_text())
     assert {"gpu", "commit", "date", "records"} <= set(result)
     records = {r["backend"]: r for r in result["records"]}
@@ -159,6 +160,14 @@ def test_bench_entry_point_records_every_backend(tmp_path):
         assert records[backend]["skipped"] is None and records[backend]["step_ms"] > 0
     assert records["grouped"]["vs_grouped"] == 1.0
     assert "fused" in records["fused"]["skipped"]  # CUDA only: recorded with the reason
+
+
+def test_bench_warms_up_for_warmup_seconds_as_well_as_warmup_steps(tmp_path):
+    assert bench.main(["--config", str(TINY), *CPU, "--backends", "grouped", "--warmup", "1", "--warmup-seconds",
+                       "0.5", "--steps", "1", "--out", str(tmp_path)]) == 0
+    (record,) = json.loads((tmp_path / "train_latest.json").read_text())["records"]
+    assert len(record["losses"]) == record["warmup_steps"] + 1
+    assert record["warmup_steps"] > 1 or record["step_ms"] > 100  # by time: more than --warmup's 1 step
 
 
 def test_parity_entry_point_compares_with_the_reference(tmp_path):

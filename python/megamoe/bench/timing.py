@@ -75,6 +75,14 @@ class Device:
         # The next sustained warm-up's minimum (FIRST_LOAD_WARMUP_S until the first one ran).
         self.settle_seconds = FIRST_LOAD_WARMUP_S if self.is_cuda else 0.0
 
+    def sustained_warmup_seconds(self, requested: float) -> float:
+        """How long to warm up now: `requested` (0: no warm-up by time), or longer on the device's
+        first sustained warm-up (settle_seconds)."""
+        if requested <= 0:
+            return requested
+        seconds, self.settle_seconds = max(requested, self.settle_seconds), 0.0
+        return seconds
+
     def name(self) -> str:
         if self.is_cuda:
             return torch.cuda.get_device_name(self.device)
@@ -177,9 +185,7 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
     Iterations are enqueued back to back without synchronising, so a launch-bound backend is
     charged for its launch gaps and a GPU-bound one for its kernels only.
     """
-    warmup_s = budget.warmup_seconds
-    if warmup_s > 0:
-        warmup_s, device.settle_seconds = max(warmup_s, device.settle_seconds), 0.0
+    warmup_s = device.sustained_warmup_seconds(budget.warmup_seconds)
     spent_s, last_s, i = 0.0, None, 0
     while i < budget.warmup or spent_s < warmup_s:
         reset()

@@ -1,8 +1,9 @@
 """`python -m megamoe.train.bench`: training-step time and tokens/s of each backend on one model.
 
 One model (the config's, by default Qwen3-30B-A3B sizes with 4 layers on 16384-token sequences) is
-built once and re-patched per backend; each backend gets warm-up steps, then timed full training
-steps (forward, backward, AdamW). A backend that cannot run (NotImplementedError, out of memory) is
+built once and re-patched per backend; each backend gets warm-up steps (at least --warmup of them and
+--warmup-seconds of time, so the GPU runs at its sustained, power-limited clock), then timed full
+training steps (forward, backward, AdamW). A backend that cannot run (NotImplementedError, out of memory) is
 recorded as skipped, with the reason, and the others still run.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe.bench.timing import SUSTAINED_WARMUP_S, Device
 from megamoe.hf import patch_hf_model
 from megamoe.validation import BACKENDS
 
@@ -40,30 +42,40 @@ class BenchRecord:
     tokens_per_s: float | None = None
     vs_grouped: float | None = None  # grouped's step time / this one's: > 1 is faster than grouped
     peak_mem_gb: float | None = None  # device memory at the peak of a step (GPU only)
+    warmup_steps: int | None = None  # untimed steps run: --warmup at least, and --warmup-seconds of them
     losses: list[float] = dataclasses.field(default_factory=list)  # warm-up and timed steps
 
 
-def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, steps: int) -> BenchRecord:
+def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, warmup_seconds: float,
+                  steps: int, device: Device) -> BenchRecord:
     config = trainer.config
     record = BenchRecord(backend, config.moe.precision)
     patch_hf_model(trainer.model, backend=backend, precision=config.moe.precision)
     cuda = trainer.device.type == "cuda"
+    warmup_s = device.sustained_warmup_seconds(warmup_seconds)
     times = []
+
+    def step() -> None:
+        input_ids = corpus.batch(trainer.step, config.train.batch_size, config.train.seq_len)
+        start = time.perf_counter()
+        record.losses.append(trainer.train_step(input_ids).lm_loss)  # ends in a host sync
+        times.append(time.perf_counter() - start)
+
     try:
-        for i in range(warmup + steps):
-            if cuda and i == warmup:
-                torch.cuda.reset_peak_memory_stats(trainer.device)
-            input_ids = corpus.batch(trainer.step, config.train.batch_size, config.train.seq_len)
-            start = time.perf_counter()
-            record.losses.append(trainer.train_step(input_ids).lm_loss)  # ends in a host sync
-            times.append(time.perf_counter() - start)
+        while len(times) < warmup or sum(times) < warmup_s:
+            step()
+        record.warmup_steps = len(times)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        for _ in range(steps):
+            step()
     except BACKEND_CANNOT_RUN as error:
         record.skipped = f"{type(error).__name__}: {error}"
         trainer.optimizer.zero_grad(set_to_none=True)  # drop what the failed step left behind
         if cuda:
             torch.cuda.empty_cache()
         return record
-    timed = times[warmup:]
+    timed = times[record.warmup_steps:]
     record.step_ms = 1e3 * statistics.median(timed)
     record.step_ms_min = 1e3 * min(timed)
     record.tokens_per_s = config.train.batch_size * config.train.seq_len / statistics.median(timed)
@@ -72,13 +84,16 @@ def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmu
     return record
 
 
-def run_bench(config: Config, backends: Sequence[str], warmup: int, steps: int) -> list[BenchRecord]:
+def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_seconds: float,
+              steps: int) -> list[BenchRecord]:
     trainer = Trainer(config)
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    device = Device(trainer.device)
     records = []
     for backend in backends:
-        print(f"{backend}: {warmup} warm-up + {steps} timed steps", file=sys.stderr, flush=True)
-        records.append(bench_backend(trainer, corpus, backend, warmup, steps))
+        print(f"{backend}: >= {warmup} warm-up steps and {warmup_seconds:g} s, {steps} timed steps", file=sys.stderr,
+              flush=True)
+        records.append(bench_backend(trainer, corpus, backend, warmup, warmup_seconds, steps, device))
     grouped = next((r for r in records if r.backend == "grouped" and r.step_ms), None)
     for r in records:
         if grouped and r.step_ms:
@@ -103,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe.train.bench", description=__doc__.split("\n\n")[0])
     config_arguments(parser, DEFAULT_CONFIG)
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend (default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend, at least (default 3)")
+    parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
+                        help="and at least this long (4 s for the first backend), so the GPU runs at its sustained "
+                             "(power-limited) clock")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend (default 10)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -113,13 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The learning-rate schedule spans every step this run takes.
         total_steps = len(args.backends) * (args.warmup + args.steps)
         config = load_config(args.config, args.set + [f"train.steps={total_steps}"])
-        records = run_bench(config, args.backends, args.warmup, args.steps)
+        records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps)
     except ConfigError as error:
         parser.error(str(error))
     tokens = config.train.batch_size * config.train.seq_len
     result = {**environment(resolve_device(config), "megamoe.train.bench", argv),
-              "config": config.to_dict(), "tokens_per_step": tokens, "warmup": args.warmup, "steps": args.steps,
-              "records": [dataclasses.asdict(r) for r in records]}
+              "config": config.to_dict(), "tokens_per_step": tokens, "warmup": args.warmup,
+              "warmup_s": args.warmup_seconds, "steps": args.steps, "records": [dataclasses.asdict(r) for r in records]}
     path = write_result(result, args.out, "train")
     print_table(records, tokens)
     print(f"wrote {path}")
