@@ -186,17 +186,19 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
     charged for its launch gaps and a GPU-bound one for its kernels only.
     """
     warmup_s = device.sustained_warmup_seconds(budget.warmup_seconds)
-    spent_s, last_s, i = 0.0, None, 0
-    while i < budget.warmup or spent_s < warmup_s:
+    # The first warm-up may include compilation or autotuning, with the GPU idle: the time that
+    # warms the GPU up (loaded_s) starts after it.
+    loaded_s, last_s, i = 0.0, None, 0
+    while i < budget.warmup or loaded_s < warmup_s:
         reset()
         start = time.perf_counter()
         run(i)
         device.synchronize()
         last_s = time.perf_counter() - start
-        spent_s += last_s
+        loaded_s += last_s if i > 0 else 0.0
         i += 1
-        # At least two warm-ups: the first may include compilation or autotuning.
-        if i >= 2 and spent_s > max(budget.seconds, warmup_s):
+        # A slow backend (fewer than MIN_REPEATS calls per `seconds`) stops after two warm-ups.
+        if i >= 2 and last_s * MIN_REPEATS > budget.seconds:
             break
     repeats = budget.repeat
     if last_s is not None:
