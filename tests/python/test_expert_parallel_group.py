@@ -159,12 +159,13 @@ def test_ep_bench_checks_its_world_before_starting(tmp_path):
 
 
 def test_ep_bench_ranks_derive_the_same_iteration_counts_from_the_slowest_probe(tmp_path):
-    """The counts fill --warmup-seconds and --budget at the all-reduced (slowest) probe time."""
+    """The counts fill --warmup-seconds (the first: 4 s) and --budget at the all-reduced (slowest) probe time."""
     from megamoe.bench import ep
     args = argparse.Namespace(one_gpu=True, warmup=3, warmup_seconds=1.0, repeat=10000, budget=2.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         budget = ep._agreed_budget(args, torch.device("cpu"))
+        assert budget(10.0).warmup == 400  # the first warm-up: FIRST_LOAD_WARMUP_S (4 s)
         assert (budget(10.0).warmup, budget(10.0).repeat) == (100, 200)
         assert (budget(1000.0).warmup, budget(1000.0).repeat) == (3, 3)  # the floors: --warmup, MIN_REPEATS
     finally:
