@@ -34,9 +34,10 @@ class Budget:
     warmup: int  # warm-up iterations (at least 2 if any; a slow backend stops there once `seconds` is spent)
     repeat: int  # timed iterations (at most)
     seconds: float  # rough wall-clock allowance per measurement; bounds the repeats of slow backends
-    # Warm up for at least this long. Under a sustained load the H200 reaches its 700 W limit within
+    # Warm up for at least this long. Under a sustained load a warm H200 reaches its 700 W limit within
     # about half a second and lowers its clock (1.98 GHz -> 1.4-1.5 GHz under the fused GEMMs); a
-    # measurement of a few dozen iterations right after a pause times the boost clock instead.
+    # measurement of a few dozen iterations right after a pause times the boost clock instead. After
+    # a long idle it takes longer (FIRST_LOAD_WARMUP_S).
     warmup_seconds: float = 0.0
 
     @staticmethod
