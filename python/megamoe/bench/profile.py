@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, profile
 
 from megamoe.shapes import PRESETS, make_inputs
 
@@ -32,27 +31,26 @@ NAME_WIDTH = 90
 GAPS_SHOWN = 12
 
 
-def gpu_events(iteration, iterations: int, warmup_seconds: float) -> list:
-    """The GPU activities of `iterations` calls of iteration(), in start order. They are the end of one
-    back-to-back run of calls that first keeps the GPU busy for `warmup_seconds` untraced, then starts
-    the tracer during one more untraced call (its start-up stalls the host), then traces: no pause
-    between warm-up and profile lets the clock recover from its power-limited level."""
-    with profile(activities=[ProfilerActivity.CUDA]):  # the tracer's one-time set-up, before the warm-up
+def gpu_events(fn, iterations: int) -> list:
+    """The GPU activities of the last `iterations` of iterations + 1 back-to-back calls of fn, in
+    start order. The first call under the profiler pays its start-up on the host (0.1-0.3 ms of GPU
+    idle around the first launches at 30B), which is not the code's, so its events are dropped."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations + 1):
+            fn()
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    iteration()
-    torch.cuda.synchronize()
-    warmup_calls = max(1, math.ceil(warmup_seconds / (time.perf_counter() - start)))
-    calls = warmup_calls + 1 + iterations
-    with profile(activities=[ProfilerActivity.CUDA],
-                 schedule=schedule(wait=warmup_calls, warmup=1, active=iterations)) as prof:
-        for call in range(calls):
-            iteration()
-            if call == calls - 1:
-                torch.cuda.synchronize()  # the traced kernels have run before the trace stops
-            prof.step()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(events, key=lambda e: e.time_range.start)
+    return last_iterations(sorted(events, key=lambda e: e.time_range.start), iterations)
+
+
+def last_iterations(events: list, iterations: int) -> list:
+    """The events of the last `iterations` of iterations + 1 calls, each of which launched the same
+    sequence (events in start order)."""
+    calls = iterations + 1
+    if len(events) % calls:
+        raise RuntimeError(f"{len(events)} GPU activities from {calls} calls: the calls did not launch the same "
+                           "sequence, so the first call's cannot be told apart; profile after more warm-up calls")
+    return events[len(events) // calls:]
 
 
 def kernel_times(events: list, iterations: int) -> dict[str, tuple[float, int]]:
@@ -109,9 +107,14 @@ def main(argv=None) -> int:
         run(0)
         operands.clear_grads()
 
-    for _ in range(3):  # compilation, autotuning, allocator
+    for _ in range(3):  # warm up: compilation, autotuning, allocator
         iteration()
-    events = gpu_events(iteration, args.iterations, args.warmup_seconds)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.warmup_seconds:
+        iteration()
+        torch.cuda.synchronize()
+    events = gpu_events(iteration, args.iterations)
     times = kernel_times(events, args.iterations)
     gaps = sorted(idle_gaps(events, args.iterations).items(), key=lambda item: -item[1])
     total = sum(us for us, _ in times.values())
