@@ -164,7 +164,9 @@ def test_ep_bench_ranks_derive_the_same_iteration_counts_from_the_slowest_probe(
     args = argparse.Namespace(one_gpu=True, warmup=3, warmup_seconds=1.0, repeat=10000, budget=2.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        budget = ep._agreed_budget(args, torch.device("cpu"))
+        device = ep.Device(torch.device("cpu"))
+        device.settle_seconds = 4.0  # a GPU's FIRST_LOAD_WARMUP_S
+        budget = ep._agreed_budget(args, device)
         assert budget(10.0).warmup == 400  # the first warm-up: FIRST_LOAD_WARMUP_S (4 s)
         assert (budget(10.0).warmup, budget(10.0).repeat) == (100, 200)
         assert (budget(1000.0).warmup, budget(1000.0).repeat) == (3, 3)  # the floors: --warmup, MIN_REPEATS

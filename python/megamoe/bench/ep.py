@@ -29,7 +29,7 @@ import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
 from .report import provenance
-from .timing import FIRST_LOAD_WARMUP_S, MIN_REPEATS, Budget, Device, measure
+from .timing import MIN_REPEATS, Budget, Device, measure
 
 _FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
 _PROBE = Budget(warmup=2, repeat=3, seconds=_FIXED)
@@ -69,22 +69,15 @@ def _time(fn, params: list[torch.Tensor], dy: torch.Tensor, device: Device, budg
     return {"fwd_ms": timed(forward), "fwdbwd_ms": timed(forward_backward)}
 
 
-def _agreed_budget(args: argparse.Namespace, cuda: torch.device):
-    """Per mode: the slowest rank's probe time (an all-reduce) -> the same warm-up and timed
-    iteration counts on every rank, filling --warmup-seconds and --budget. The first warm-up lasts
-    FIRST_LOAD_WARMUP_S at least on every rank (the other ranks' GPUs idled while rank 0 timed
-    the one-GPU layer); it is decided by call order, not by a rank's own state, so counts agree."""
-    first = True
-
+def _agreed_budget(args: argparse.Namespace, device: Device):
+    """Per mode: the slowest rank's probe time and its longest sustained warm-up (Device's, so a
+    device's first lasts FIRST_LOAD_WARMUP_S), all-reduced -> the same warm-up and timed iteration
+    counts on every rank, filling those seconds and --budget."""
     def budget(probe_ms: float) -> Budget:
-        nonlocal first
-        slowest = torch.tensor([probe_ms], dtype=torch.float64, device="cpu" if args.one_gpu else cuda)
+        mine = [probe_ms, device.sustained_warmup_seconds(args.warmup_seconds)]
+        slowest = torch.tensor(mine, dtype=torch.float64, device="cpu" if args.one_gpu else device.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        ms = max(float(slowest.item()), 1e-3)
-        warmup_s = args.warmup_seconds
-        if warmup_s > 0 and first:
-            warmup_s = max(warmup_s, FIRST_LOAD_WARMUP_S)
-        first = False
+        ms, warmup_s = max(float(slowest[0]), 1e-3), float(slowest[1])
         return Budget(warmup=max(args.warmup, math.ceil(warmup_s * 1e3 / ms)),
                       repeat=min(args.repeat, max(MIN_REPEATS, math.ceil(args.budget * 1e3 / ms))), seconds=_FIXED)
     return budget
@@ -96,7 +89,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                             world_size=world)
     cuda = torch.device("cuda", 0 if args.one_gpu else rank)
     torch.cuda.set_device(cuda)
-    device, agreed = Device(cuda), _agreed_budget(args, cuda)
+    device = Device(cuda)
+    agreed = _agreed_budget(args, device)
     one_gpu_budget = Budget.from_arguments(args)
     records = []
     for preset in args.preset:
