@@ -85,7 +85,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # norms
-        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
+        # On a GPU, one fused kernel per step instead of a chain of foreach passes over the AdamW state.
+        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8,
+                                           fused=self.device.type == "cuda")
         self.step = 0  # completed optimizer steps
 
     def learning_rate(self, step: int) -> float:
