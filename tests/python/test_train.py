@@ -174,8 +174,18 @@ def test_parity_entry_point_compares_with_the_reference(tmp_path):
     code = parity.main(["--config", str(TINY), *CPU, "--steps", "3", "--backends", "grouped",
                         "--out", str(tmp_path), "--set", "train.seq_len=32", "--set", "train.batch_size=2"])
     result = json.loads((tmp_path / "train_parity_latest.json").read_text())
-    assert [c["name"] for c in result["curves"]] == ["naive", "naive (perturbed init)", "grouped"]
+    assert [c["name"] for c in result["curves"]] == ["naive", "naive (perturbed init 1)", "naive (perturbed init 2)",
+                                                      "grouped"]
+    # The floor is the widest of the perturbed runs' gaps; the tolerance is measured from it.
+    gaps = [n["mean_smoothed_rel_gap"] for n in result["noise_runs"]]
+    assert len(gaps) == parity.NOISE_RUNS and result["noise_floor"]["mean_smoothed_rel_gap"] == max(gaps)
     [comparison] = result["comparisons"]
     assert comparison["backend"] == "grouped" and comparison["step1_rel_diff"] < parity.STEP1_TOLERANCE
+    assert comparison["tolerance"] == max(parity.FLOOR_FACTOR * max(gaps), parity.MIN_TOLERANCE)
     assert code == (0 if comparison["within_tolerance"] else 1)
     assert (tmp_path / "train_parity_latest.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_parity_rejects_no_noise_runs(tmp_path):
+    with pytest.raises(SystemExit):
+        parity.main(["--config", str(TINY), *CPU, "--noise-runs", "0", "--out", str(tmp_path)])
