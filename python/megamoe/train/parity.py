@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.exit(1, f"the reference backend {args.reference} could not run: {reference.skipped}\n")
         noise_curves = [train_curve(config, args.reference + PERTURBED_SUFFIX.format(i), args.reference, i)
                         for i in range(1, args.noise_runs + 1)]
+        for curve in noise_curves:
+            if curve.skipped:
+                parser.exit(1, f"{curve.name} could not run, so there is no noise floor: {curve.skipped}\n")
         backends = [train_curve(config, b, b) for b in args.backends if b != args.reference]
     except ConfigError as error:
         parser.error(str(error))
