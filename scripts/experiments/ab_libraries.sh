@@ -6,7 +6,7 @@
 # AB_MODULE=megamoe.bench.profile compares kernel by kernel instead (args: that module's, e.g.
 # -- --preset qwen3-30b-a3b --mode fwdbwd --iterations 10); it prints each profile's head.
 # AB_MODULE=time_moe times each revision's megamoe.moe with this tree's timing (time_moe.py; args:
-# its --preset / --tokens), for revisions whose own benchmark predates the sustained defaults.
+# its --preset / --tokens and the timing options), for revisions whose own benchmark predates the sustained defaults.
 set -u
 module=${AB_MODULE:-megamoe.bench}
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift

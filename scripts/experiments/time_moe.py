@@ -3,7 +3,8 @@ timed with this tree's bench/timing.py (its warm-up seconds, timed seconds, cloc
 
 For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
 AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have
-kept their signatures. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
+kept their signatures; the timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
+benchmarks'. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
 """
 
 import argparse
@@ -27,16 +28,16 @@ def load_timing():
 
 
 def main() -> None:
+    timing = load_timing()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True)
     parser.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", type=int, default=16384)
+    timing.Budget.add_arguments(parser, warmup=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    timing = load_timing()
     device = timing.Device(torch.device("cuda", 0))
-    budget = timing.Budget(warmup=2, repeat=timing.REPEAT_CAP, seconds=timing.SUSTAINED_BUDGET_S,
-                           warmup_seconds=timing.SUSTAINED_WARMUP_S)
+    budget = timing.Budget.from_arguments(args)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "time_moe.jsonl", "a") as log:
         for preset in args.preset:
@@ -68,6 +69,7 @@ def time_preset(timing, device, budget, shape, tokens: int):
 
     return [(mode, timing.measure(run, reset, device, budget))
             for mode, run in (("fwd", forward), ("fwdbwd", forward_backward))]
+
 
 if __name__ == "__main__":
     main()

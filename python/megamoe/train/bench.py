@@ -128,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")
     try:
-        # The learning-rate schedule spans every step this run takes.
+        # The learning-rate schedule spans the counted steps; a warm-up that runs longer by time
+        # continues at the schedule's final rate (the step time does not depend on it).
         total_steps = len(args.backends) * (args.warmup + args.steps)
         config = load_config(args.config, args.set + [f"train.steps={total_steps}"])
         records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps)
