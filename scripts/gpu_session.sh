@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 build() {  # what tests/run.sh builds, for the stages that skip `tests` on a fresh machine
   cmake -S . -B "$MEGAMOE_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build "$MEGAMOE_BUILD_DIR" -j "$(nproc)" 2>&1 | grep -E "error|warning: .*spill" || true
+    cmake --build "$MEGAMOE_BUILD_DIR" -j "$(nproc)" 2>&1 | grep -E "error|serialised" || true
 }
 run_python() {  # the package from this tree, the library from the build (built first if missing)
   [[ -f "$MEGAMOE_BUILD_DIR/libmegamoe.so" ]] || build
