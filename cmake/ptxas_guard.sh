@@ -5,7 +5,7 @@
 # lines are dropped; everything else is passed on.
 out=$("$@" 2>&1)
 status=$?
-grep -v -e "^ptxas info    : " -e "^    [0-9]* bytes stack frame" <<<"$out" >&2
+[[ -z $out ]] || grep -v -e "^ptxas info    : " -e "^    [0-9]* bytes stack frame" <<<"$out" >&2
 if grep -q "Potential Performance Loss: wgmma" <<<"$out"; then
   grep "^ptxas info    : (C75" <<<"$out" >&2
   echo "ptxas serialised the wgmma pipeline (messages above): the tensor cores would idle between wgmmas" >&2
