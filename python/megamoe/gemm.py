@@ -35,6 +35,30 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch
     return c
 
 
+def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                     plan: RoutingPlan) -> torch.Tensor:
+    """Block-FP8 grouped_gemm: c [rows, N] bf16 from e4m3 a [rows, K] with a_scales [K / 128, rows]
+    and e4m3 b [E_local, N, K] with b_scales [E_local, N / 128, K / 128] (megamoe.fp8 makes both)."""
+    rows = plan.block_expert.numel() * _native.BLOCK_M
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"grouped_gemm_fp8 takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or b.shape[2] != a.shape[1]:
+        raise ValueError(f"a must be [{rows}, K] and b [E_local, N, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
+    num_local, n, k = b.shape
+    for name, t, shape in (("a_scales", a_scales, (k // 128, rows)),
+                           ("b_scales", b_scales, (num_local, n // 128, k // 128))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not all(t.is_cuda and t.is_contiguous() for t in (a, b)):
+        raise ValueError("grouped_gemm_fp8 needs contiguous CUDA tensors")
+    c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
+    _native.check(_native.library().megamoe_grouped_gemm_fp8(
+        a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), c.data_ptr(),
+        plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), plan.block_expert.numel(), n, k, num_local,
+        _native.stream(a.device)), "grouped_gemm_fp8")
+    return c
+
+
 # The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism
 # (expert_parallel.py). Their callers validate the layer's inputs; the C API checks every argument.
 

@@ -1,5 +1,6 @@
 // Grouped GEMM over a routing plan's pool: every real row of every live block against a host fp32
 // reference, poison where nothing may be read or written, and argument validation (no GPU needed).
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -149,6 +150,89 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, GroupedGemmTest, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Block FP8: e4m3 operands drawn from [-8, 8] (so every k-block mixes magnitudes), per-(row,
+// k-block) A scales and per-(128 x 128 block) B scales from [0.01, 0.1]. The reference sums the
+// exact products of the same e4m3 values in double, so the error is the kernel's fp32 sums and
+// its one bf16 rounding. Padding rows and rows past the live blocks hold e4m3 NaN with NaN scales.
+constexpr uint8_t kFp8NaN = 0x7F;
+
+uint8_t to_e4m3(float f) { return __nv_fp8_e4m3(f).__x; }
+float from_e4m3(uint8_t bits) {
+  __nv_fp8_e4m3 v;
+  v.__x = bits;
+  return float(v);
+}
+
+class GroupedGemmFp8Test : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(GroupedGemmFp8Test, MatchesHostReference) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const GemmCase& c = GetParam();
+  const megamoe_routing_shape shape{c.tokens, c.top_k, c.experts, 0, c.experts};
+  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
+  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1);
+  const Plan p = build_plan(c, make_ids(c), block_expert, num_blocks);
+  if (HasFailure()) return;
+
+  const int n = c.n, k = c.k, k_blocks = k / 128;
+  const int64_t rows = max_blocks * MEGAMOE_BLOCK_M;
+  std::mt19937 rng(c.seed * 104729u);
+  std::uniform_real_distribution<float> value(-8.f, 8.f), scale(0.01f, 0.1f);
+  std::vector<uint8_t> a(rows * k, kFp8NaN);
+  std::vector<float> a_scales(int64_t(k_blocks) * rows, NAN);
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (!is_real_row(p, row)) continue;
+    for (int i = 0; i < k; ++i) a[row * k + i] = to_e4m3(value(rng));
+    for (int j = 0; j < k_blocks; ++j) a_scales[j * rows + row] = scale(rng);
+  }
+  std::vector<uint8_t> b(int64_t(c.experts) * n * k);
+  for (auto& v : b) v = to_e4m3(value(rng));
+  std::vector<float> b_scales(int64_t(c.experts) * (n / 128) * k_blocks);
+  for (auto& s : b_scales) s = scale(rng);
+  DeviceBuffer<uint8_t> a_dev(a.size()), b_dev(b.size());
+  DeviceBuffer<float> a_scales_dev(a_scales.size()), b_scales_dev(b_scales.size());
+  DeviceBuffer<uint16_t> c_dev(rows * n);
+  a_dev.upload(a);
+  b_dev.upload(b);
+  a_scales_dev.upload(a_scales);
+  b_scales_dev.upload(b_scales);
+  ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_gemm_fp8(a_dev.ptr, a_scales_dev.ptr, b_dev.ptr, b_scales_dev.ptr, c_dev.ptr,
+                                     block_expert.ptr, num_blocks.ptr, max_blocks, n, k, c.experts, nullptr),
+            MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> out = c_dev.download();
+
+  std::vector<float> af(a.size()), bf(b.size());
+  for (size_t i = 0; i < a.size(); ++i) af[i] = from_e4m3(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) bf[i] = from_e4m3(b[i]);
+  const Comparison r = compare_rows(
+      p, n, real_rows(p),
+      [&](int64_t row, int col) {
+        const int64_t e = p.block_expert[row / MEGAMOE_BLOCK_M];
+        const float* x = af.data() + row * k;
+        const float* w = bf.data() + (e * n + col) * k;
+        double sum = 0;
+        for (int j = 0; j < k_blocks; ++j) {
+          double block = 0;
+          for (int i = 128 * j; i < 128 * (j + 1); ++i) block += double(x[i]) * w[i];
+          sum += block * a_scales[j * rows + row] * b_scales[(e * (n / 128) + col / 128) * k_blocks + j];
+        }
+        return sum;
+      },
+      out);
+  EXPECT_EQ(r.non_finite, 0) << "worst tiles:" << r.worst;
+  EXPECT_LE(r.rel_error, 1e-2) << "worst tiles:" << r.worst;
+  std::cout << "  fp8 " << c.name << ": " << p.num_blocks << " blocks, rel error " << r.rel_error << "\n";
+  const size_t live = size_t(p.num_blocks) * MEGAMOE_BLOCK_M * n;
+  EXPECT_TRUE(std::all_of(out.begin() + live, out.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "rows past num_blocks were written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GroupedGemmFp8Test, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
 TEST(GroupedGemm, ZeroLiveBlocksWritesNothing) {
   if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
   const int64_t max_blocks = 3;
@@ -206,6 +290,24 @@ TEST(GroupedGemmValidation, RejectsBadArguments) {
                                               x.experts, nullptr),
                     x.message);
   }
+}
+
+TEST(GroupedGemmValidation, Fp8RejectsBadArguments) {
+  alignas(16) static char buf[64];
+  void* p = buf;
+  const auto* fp = reinterpret_cast<const float*>(buf);
+  const auto* ip = reinterpret_cast<const int32_t*>(buf);
+  expect_rejected(megamoe_grouped_gemm_fp8(p, nullptr, p, fp, p, ip, ip, 4, 256, 256, 2, nullptr),
+                  "a, a_scales, b, b_scales and c must be non-null");
+  expect_rejected(megamoe_grouped_gemm_fp8(p, fp, p, nullptr, p, ip, ip, 4, 256, 256, 2, nullptr),
+                  "a, a_scales, b, b_scales and c must be non-null");
+  expect_rejected(megamoe_grouped_gemm_fp8(p, fp, p, fp, p, ip, ip, 4, 256, 192, 2, nullptr),
+                  "k must be a positive multiple of 128, got 192");
+  expect_rejected(megamoe_grouped_gemm_fp8(p, reinterpret_cast<const float*>(buf + 4), p, fp, p, ip, ip, 4, 256,
+                                           256, 2, nullptr),
+                  "16-byte aligned");
+  EXPECT_EQ(megamoe_grouped_gemm_fp8(p, fp, p, fp, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
+      << megamoe_last_error();
 }
 
 TEST(GroupedGemmValidation, EmptyPoolIsANoOp) {

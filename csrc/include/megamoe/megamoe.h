@@ -150,6 +150,19 @@ int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32
                               int32_t num_local_experts, void* stream);
 
 // ---------------------------------------------------------------------------------------------
+// The same grouped GEMM in block FP8 (DeepSeek-V3 recipe): for every block b < *num_blocks with
+// local expert e = block_expert[b], row r of it and column c,
+//   C[r, c] = sum over k-blocks j of a_scales[j, r] * b_scales[e, c / 128, j] * (A[r, 128 j :] · B[e][c, 128 j :])
+// with each k-block's products summed in fp32 by the tensor cores, the scaled sum in fp32, one
+// bf16 rounding. A [max_blocks * 128, K] e4m3 row-major; a_scales [K / 128, max_blocks * 128] fp32
+// (k-block major); B [E_local, N, K] e4m3 row-major; b_scales [E_local, N / 128, K / 128] fp32;
+// C [max_blocks * 128, N] bf16. N and K must be multiples of 128.
+// ---------------------------------------------------------------------------------------------
+int megamoe_grouped_gemm_fp8(const void* a, const float* a_scales, const void* b, const float* b_scales, void* c,
+                             const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks, int32_t n,
+                             int32_t k, int32_t num_local_experts, void* stream);
+
+// ---------------------------------------------------------------------------------------------
 // GEMM1 of the expert MLP with SwiGLU fused into the epilogue (same kernel, same plan arguments).
 // For every block b < *num_blocks with local expert e = block_expert[b] and its 128 rows:
 //   g = A · w13[e][0 : I]ᵀ,  u = A · w13[e][I : 2I]ᵀ   (fp32 accumulation)

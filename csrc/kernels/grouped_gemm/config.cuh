@@ -41,6 +41,17 @@ constexpr int kSharedMemoryLimit = 232448;
 constexpr int kAlignSlack = 1024;
 constexpr int kMaxStages = 8;
 
+// Shared memory of S stages, the epilogue buffers and 2 mbarriers per stage.
+constexpr int shared_bytes(int stages, int stage_bytes, int epi_bytes) {
+  return kAlignSlack + stages * (stage_bytes + 16) + epi_bytes;
+}
+// As many stages as fit next to the epilogue buffers.
+constexpr int pipeline_stages(int stage_bytes, int epi_bytes) {
+  int s = kMaxStages;
+  while (shared_bytes(s, stage_bytes, epi_bytes) > kSharedMemoryLimit) --s;
+  return s;
+}
+
 enum class Major { K, MN };  // which dimension of an operand is contiguous in global memory
 
 // BBoxes (K-major B only): how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
@@ -54,6 +65,10 @@ struct Config {
   static_assert(BBoxes == 1 || BMajor == Major::K, "split B tiles are K-major");
   static constexpr Major kAMajor = AMajor;
   static constexpr Major kBMajor = BMajor;
+  static constexpr bool kFp8 = false;
+  static constexpr int kKBlock = kBlockK;  // K elements per stage
+  static constexpr int kScaleBytes = 0;    // per stage: block-FP8's A scales (config_fp8.cuh)
+  struct MainloopParams {};                // what the main loop reads besides A and B: nothing
   static constexpr int kBlockN = BlockN;
   static constexpr int kBBoxes = BBoxes;
   static constexpr int kBBoxRows = BlockN / BBoxes;
@@ -62,24 +77,20 @@ struct Config {
   static constexpr int kBBytes = BlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
-  // As many stages as fit next to the epilogue buffers and the 2 mbarriers per stage.
-  static constexpr int kStages = [] {
-    int s = (kSharedMemoryLimit - kAlignSlack - kEpiBytes) / kStageBytes;
-    while (s * (kStageBytes + 16) + kEpiBytes + kAlignSlack > kSharedMemoryLimit) --s;
-    return s < kMaxStages ? s : kMaxStages;
-  }();
+  static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
   static_assert(kStages >= 3, "pipeline too shallow");
-  static constexpr int kSmemBytes = kAlignSlack + kStages * kStageBytes + kEpiBytes + kStages * 16;
+  static constexpr int kSmemBytes = shared_bytes(kStages, kStageBytes, kEpiBytes);
   static_assert(kSmemBytes <= kSharedMemoryLimit);
   // Each math thread holds 64 x BLOCK_N / 128 fp32 accumulators.
   static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
 };
 
 // Shared memory, carved from the 1024-aligned start of the dynamic allocation:
-//   [A stage 0..S-1][B stage 0..S-1][epilogue chunks][full barriers][empty barriers]
+//   [A stage 0..S-1][B stage 0..S-1][epilogue chunks][A scales stage 0..S-1 (FP8)][full barriers][empty barriers]
 // Every tile and chunk size is a multiple of 1024, so every tile starts on a swizzle-atom boundary.
 template <class Cfg>
 struct SharedStorage {
+  static constexpr int kTileBytes = Cfg::kStages * (Cfg::kABytes + Cfg::kBBytes);
   uint8_t* base;
 
   __device__ explicit SharedStorage(uint8_t* raw)
@@ -88,8 +99,10 @@ struct SharedStorage {
   __device__ uint8_t* a(int stage) const { return base + stage * Cfg::kABytes; }
   __device__ uint8_t* b(int stage) const { return base + Cfg::kStages * Cfg::kABytes + stage * Cfg::kBBytes; }
   __device__ uint8_t* epi(int warpgroup, int buffer) const {
-    return base + Cfg::kStages * Cfg::kStageBytes +
-           (warpgroup * kEpiBuffers + buffer) * kEpiChunkBytes;
+    return base + kTileBytes + (warpgroup * kEpiBuffers + buffer) * kEpiChunkBytes;
+  }
+  __device__ float* a_scales(int stage) const {
+    return reinterpret_cast<float*>(base + kTileBytes + Cfg::kEpiBytes + stage * Cfg::kScaleBytes);
   }
   __device__ uint64_t* full(int stage) const {
     return reinterpret_cast<uint64_t*>(base + Cfg::kStages * Cfg::kStageBytes + Cfg::kEpiBytes) + stage;

@@ -146,9 +146,9 @@ __device__ __forceinline__ void drain_stores() {
 // C[128 b.., n-tile..] = the tile, through a TMA map of C with 16-row x 64-column boxes; deferred
 // (kernel.cuh): retire() packs the tile to bf16 after its main loop, store() writes it while the
 // next tile's first wgmma batch runs.
-template <int BlockN>
+template <int BlockN, class C = Config<BlockN>>
 struct PlainEpilogue {
-  using Cfg = Config<BlockN>;
+  using Cfg = C;
   static constexpr bool kDeferred = true;
   struct Params {
     CUtensorMap c;

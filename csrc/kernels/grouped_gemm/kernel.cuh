@@ -21,6 +21,7 @@
 
 #include "kernels/grouped_gemm/config.cuh"
 #include "kernels/grouped_gemm/mainloop.cuh"
+#include "kernels/grouped_gemm/mainloop_fp8.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
 #include "kernels/grouped_gemm/scheduler.cuh"
 #include "kernels/grouped_gemm/scheduler_expert.cuh"
@@ -35,9 +36,26 @@
 
 namespace megamoe::grouped_gemm {
 
+// One math warpgroup's main loop of a tile: bf16 (mainloop.cuh) or block FP8 (mainloop_fp8.cuh,
+// with the B scales of the tile's expert and 128-column block).
+template <class Cfg, class Sched, class Smem, class Tile, class UnderFirstBatch>
+__device__ __forceinline__ void main_loop(float (&acc)[Cfg::kAccumulators], const Smem& smem,
+                                          PipelineState<Cfg::kStages>& state, const Sched& sched, const Tile& tile,
+                                          int warpgroup, const typename Cfg::MainloopParams& mainloop,
+                                          UnderFirstBatch&& under_first_batch) {
+  if constexpr (Cfg::kFp8) {
+    const int64_t b_block = int64_t(sched.expert(tile)) * mainloop.n_blocks + tile.n_tile;
+    mma_tile_fp8<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, mainloop.b_scales + b_block * tile.k_blocks,
+                      under_first_batch);
+  } else {
+    mma_tile<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, under_first_batch);
+  }
+}
+
 template <class Epi, class Sched>
 __global__ void __launch_bounds__(kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                    const __grid_constant__ typename Epi::Cfg::MainloopParams mainloop,
                     const __grid_constant__ typename Epi::Params epi,
                     const __grid_constant__ typename Sched::Params sched_params) {
   using Cfg = typename Epi::Cfg;
@@ -48,6 +66,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(&tma_a);
     cute::prefetch_tma_descriptor(&tma_b);
+    if constexpr (Cfg::kFp8) cute::prefetch_tma_descriptor(&mainloop.a_scales);
     Epi::prefetch(epi);
     init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, kMathWarps);
   }
@@ -57,7 +76,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x == 0) produce_operands<Cfg, Epi>(&tma_a, &tma_b, epi, smem, sched);
+    if (threadIdx.x == 0) produce_operands<Cfg, Epi>(&tma_a, &tma_b, mainloop, epi, smem, sched);
     return;
   }
 
@@ -80,7 +99,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);
       if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
-        mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, store_pending);
+        main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, store_pending);
       } else {
         store_pending();  // no main loop to hide it under; retire() packs zeros for this tile
       }
@@ -94,7 +113,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
       const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
       // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
       // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
-      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) mma_tile<Cfg>(acc, smem, state, tile.k_blocks, math_wg, [] {});
+      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, [] {});
       if constexpr (RingChunks<Epi>::value > 0) {
         Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
       } else {

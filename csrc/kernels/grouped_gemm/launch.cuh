@@ -30,27 +30,35 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// 2-D bf16 row-major [rows, cols] matrix, boxes of box_rows x 64 columns, 128-byte swizzle.
+// 2-D row-major [rows, cols] matrix of element_bytes-sized elements, boxes of box_rows x box_cols.
 // `fn` ("megamoe_...: ", the API function) prefixes error messages.
-inline int make_tensor_map(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols, uint32_t box_rows,
-                           const std::string& fn, const char* what) {
+inline int encode_tensor_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, uint32_t element_bytes,
+                             uint64_t rows, uint64_t cols, uint32_t box_cols, uint32_t box_rows,
+                             CUtensorMapSwizzle swizzle, const std::string& fn, const char* what) {
   auto encode = tensor_map_encoder();
   if (encode == nullptr) {
     cudaGetLastError();  // the failed lookup is reported here, not left for the caller's next check
     return set_error(MEGAMOE_ERROR_CUDA, fn + "cuTensorMapEncodeTiled not available (driver too old for TMA?)");
   }
   const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * 2};
-  const cuuint32_t box[2] = {uint32_t(kBlockK), box_rows};
+  const cuuint64_t strides[1] = {cols * element_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
-                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return set_error(MEGAMOE_ERROR_CUDA, fn + "cuTensorMapEncodeTiled(" + what + ") failed with CUresult " +
                                              std::to_string(int(r)));
   }
   return MEGAMOE_OK;
+}
+
+// bf16 [rows, cols], boxes of box_rows x 64 columns (one 128-byte swizzle row).
+inline int make_tensor_map(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols, uint32_t box_rows,
+                           const std::string& fn, const char* what) {
+  return encode_tensor_map(map, ptr, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, cols, kBlockK, box_rows,
+                           CU_TENSOR_MAP_SWIZZLE_128B, fn, what);
 }
 
 // BLOCK_N 256 halves the L2 traffic per FLOP against 128 (A is re-read once per n-tile) and issues
@@ -95,7 +103,8 @@ inline int validate_pool_gemm(const std::string& fn, const int32_t* block_expert
 // One CTA per SM (fewer if there are fewer tiles); max_tiles bounds the scheduler's tile count.
 template <class Epi, class Sched>
 int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
-           const typename Sched::Params& sched, int64_t max_tiles, void* stream) {
+           const typename Sched::Params& sched, int64_t max_tiles, void* stream,
+           const typename Epi::Cfg::MainloopParams& mainloop = {}) {
   using Cfg = typename Epi::Cfg;
   auto kernel = grouped_gemm_kernel<Epi, Sched>;
   int device = 0, sms = 0;
@@ -104,7 +113,7 @@ int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Param
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int grid = int(max_tiles < sms ? max_tiles : sms);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(a, b, epi, sched);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(a, b, mainloop, epi, sched);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
@@ -113,9 +122,9 @@ int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Param
 template <class Epi>
 int launch_pool(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
                 const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks, int n_tiles, BRows b_rows,
-                int32_t k, void* stream) {
-  const PoolScheduler::Params sched{block_expert, num_blocks, int(max_blocks), n_tiles, k / kBlockK, b_rows};
-  return launch<Epi, PoolScheduler>(a, b, epi, sched, max_blocks * n_tiles, stream);
+                int32_t k, void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
+  const PoolScheduler::Params sched{block_expert, num_blocks, int(max_blocks), n_tiles, k / Epi::Cfg::kKBlock, b_rows};
+  return launch<Epi, PoolScheduler>(a, b, epi, sched, max_blocks * n_tiles, stream, mainloop);
 }
 
 }  // namespace megamoe::grouped_gemm

@@ -56,10 +56,11 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
-// One thread streams every tile's A and B k-blocks into the ring, then the stages its epilogue
-// reads through the ring, if any (epilogue.cuh, RingChunks).
+// One thread streams every tile's A and B k-blocks (block FP8: with A's scales) into the ring, then
+// the stages its epilogue reads through the ring, if any (epilogue.cuh, RingChunks).
 template <class Cfg, class Epi, class Sched, class Smem>
-__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const typename Epi::Params& epi,
+__device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                 const typename Cfg::MainloopParams& mainloop, const typename Epi::Params& epi,
                                  const Smem& smem, Sched sched) {
   using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
@@ -70,10 +71,14 @@ __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tm
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
       uint64_t* full = smem.full(state.stage);
-      Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);  // A and every B box
-      LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * kBlockK, 0);
+      Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);  // A, every B box, A's scales
+      LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * Cfg::kKBlock, 0);
       LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(state.stage), o.b_mn,
-                                                    o.b_k + kb * kBlockK, o.b_box_stride);
+                                                    o.b_k + kb * Cfg::kKBlock, o.b_box_stride);
+      if constexpr (Cfg::kFp8) {
+        cute::SM90_TMA_LOAD_2D::copy(&mainloop.a_scales, full, kTmaCacheHint, smem.a_scales(state.stage), o.a_mn,
+                                     o.a_k / Cfg::kKBlock + kb);
+      }
       state.advance();
     }
     if constexpr (RingChunks<Epi>::value > 0) Epi::load_ring(epi, tile, smem, state);

@@ -85,10 +85,12 @@ struct PoolScheduler {
   }
 
   // An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
+  __device__ int expert(const PoolTile& t) const { return block_expert[t.block]; }
+
   template <class Cfg>
   __device__ TileOrigin origin(const PoolTile& t) const {
     static_assert(Cfg::kAMajor == Major::K, "pool rows are the M of a K-major A");
-    const int e = block_expert[t.block];
+    const int e = expert(t);
     if constexpr (Cfg::kBMajor == Major::K) {
       return {t.block * kBlockM, 0, e * b_rows.rows_per_expert + t.n_tile * Cfg::kBBoxRows, 0, b_rows.box_stride};
     } else {

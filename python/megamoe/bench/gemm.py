@@ -4,6 +4,9 @@ layer's two GEMM shapes over the same expert-major pool (each expert padded to 1
     python -m megamoe.bench.gemm [--preset ...] [--tokens ...] [--routing ...] [--out DIR]
 
 TFLOPS count the real routed rows only (2·N·K per route), so padding is charged to the kernel.
+`megamoe-fp8` is the block-FP8 kernel on the same operands quantised beforehand (megamoe.fp8, not
+timed); its rel.err is against torch._grouped_mm on the dequantised operands (the kernel's own
+error), and `quantization_error` against the bf16 result.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from megamoe.gemm import grouped_gemm
+from megamoe import fp8
+from megamoe.gemm import grouped_gemm, grouped_gemm_fp8
 from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
@@ -44,20 +48,30 @@ def bench_one(preset: str, tokens: int, routing: str, device: Device, budget: Bu
     for name, (n, k) in gemm_problems(preset).items():
         a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(shape.num_experts, n, k, device="cuda") / k**0.5).to(torch.bfloat16)
-        ours = grouped_gemm(a, b, plan)[:live_rows]
         theirs = torch._grouped_mm(a, b.transpose(-2, -1), offs=group_ends)[:live_rows]
-        error = relative_error(ours, theirs)
+        (aq, a_scales), (bq, b_scales) = fp8.quantize_rows(a), fp8.quantize_blocks(b)
+        dequantized = torch._grouped_mm(fp8.dequantize_rows(aq, a_scales).to(torch.bfloat16),
+                                        fp8.dequantize_blocks(bq, b_scales).to(torch.bfloat16).transpose(-2, -1),
+                                        offs=group_ends)[:live_rows]
+        ours_fp8 = grouped_gemm_fp8(aq, a_scales, bq, b_scales, plan)[:live_rows]
+        bf16_error = relative_error(grouped_gemm(a, b, plan)[:live_rows], theirs)
+        errors = {"megamoe": bf16_error, "torch._grouped_mm": bf16_error,
+                  "megamoe-fp8": relative_error(ours_fp8, dequantized)}
         flops = 2 * n * k * routes
         for backend, fn in (("megamoe", lambda i: grouped_gemm(a, b, plan)),
+                            ("megamoe-fp8", lambda i: grouped_gemm_fp8(aq, a_scales, bq, b_scales, plan)),
                             ("torch._grouped_mm", lambda i: torch._grouped_mm(
                                 a, b.transpose(-2, -1), offs=group_ends))):
             m = measure(fn, lambda: None, device, budget)
-            records.append({"preset": preset, "tokens": tokens, "routing": routing, "gemm": name,
-                            "n": n, "k": k, "routes": routes, "pool_rows": live_rows,
-                            "backend": backend, "ms": m.median_ms,
-                            "tflops": flops / (m.median_ms * 1e-3) / 1e12,
-                            "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w,
-                            "rel_error_vs_torch": error})
+            record = {"preset": preset, "tokens": tokens, "routing": routing, "gemm": name,
+                      "n": n, "k": k, "routes": routes, "pool_rows": live_rows,
+                      "backend": backend, "ms": m.median_ms,
+                      "tflops": flops / (m.median_ms * 1e-3) / 1e12,
+                      "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w,
+                      "rel_error_vs_torch": errors[backend]}
+            if backend == "megamoe-fp8":
+                record["quantization_error"] = relative_error(ours_fp8, theirs)
+            records.append(record)
     return records
 
 

@@ -1,0 +1,49 @@
+// Tile shape and pipeline depth of the block-FP8 grouped GEMM (DeepSeek-V3 recipe: e4m3 operands,
+// one fp32 scale per row and 128 K values of A, one per 128 x 128 block of B).
+//
+// A stage holds a 128-deep k-block: 128 e4m3 = 128 bytes, the same swizzle-row geometry as a
+// 64-deep bf16 k-block (operand.cuh's K-major layout serves both; a 32-deep fp8 k step moves 32
+// bytes like a 16-deep bf16 one), plus the 128 A scales of the tile's rows for that k-block. FP8
+// wgmma reads both operands K-major only.
+//
+// The scales change every k-block, so each k-block's 4 wgmmas accumulate into a fresh fp32
+// fragment that is then scaled and added to the tile's sum: two fragments per math thread, which
+// limits BLOCK_N to 128 (64 + 64 fp32 registers) under the 232-register budget.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/grouped_gemm/config.cuh"
+
+namespace megamoe::grouped_gemm {
+
+constexpr int kFp8BlockK = 128;  // K elements (bytes) per k-block, and the scale block along K
+
+template <int BlockN>
+struct Fp8Config {
+  static_assert(BlockN == 128, "block FP8 keeps two fp32 fragments per thread: BLOCK_N 128");
+  static constexpr Major kAMajor = Major::K;
+  static constexpr Major kBMajor = Major::K;
+  static constexpr bool kFp8 = true;
+  static constexpr int kKBlock = kFp8BlockK;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kBBoxes = 1;
+  static constexpr int kBBoxRows = BlockN;
+  static constexpr int kABytes = kBlockM * kFp8BlockK;
+  static constexpr int kBBytes = BlockN * kFp8BlockK;
+  static constexpr int kScaleBytes = kBlockM * 4;
+  struct MainloopParams {
+    CUtensorMap a_scales;    // fp32 [K / 128, pool rows]: a k-block's scales of 128 rows are one box
+    const float* b_scales;   // fp32 [E_local, N / 128, K / 128]
+    int n_blocks;            // N / 128
+  };
+  static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
+  static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
+  static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
+  static_assert(kStages >= 3, "pipeline too shallow");
+  static constexpr int kSmemBytes = shared_bytes(kStages, kStageBytes, kEpiBytes);
+  static_assert(kSmemBytes <= kSharedMemoryLimit);
+  static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
+};
+
+}  // namespace megamoe::grouped_gemm
