@@ -3,9 +3,9 @@
 // Per 128-deep k-block: 4 wgmma m64n128k32 (e4m3 x e4m3 -> fp32) into a fresh fragment, then
 //   acc[row, col] += part[row, col] * a_scale[row, kb] * b_scale[kb]
 // (fp32, in k-block order). A's scales come with the stage (config_fp8.cuh); B's one scale per
-// k-block of this 128-column block is read from global memory before the stage's wait. The
-// warpgroup waits for its own batch before scaling it, so its tensor work pauses for the scaling;
-// the other math warpgroup's wgmmas fill that gap.
+// k-block of this 128-column block is read from global memory when the k-block is issued. Two
+// fragments alternate: k-block kb + 1's wgmmas are in flight while kb's are scaled and added, so the
+// warpgroup's tensor work does not pause for the scaling.
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -20,14 +20,14 @@ __device__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                              int k_blocks, int warpgroup, const float* b_scales, UnderFirstBatch&& under_first_batch) {
   using L = OperandLayout<Major::K>;
   using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+  constexpr int N = Cfg::kAccumulators;
   const bool signals = threadIdx.x % 32 == 0;
   const uint32_t a_offset = L::mn_offset(warpgroup * kWarpgroupRows);
   // The fragment's rows of this thread: row and row + 8 (epilogue.cuh has the layout).
   const int row = warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
-  float part[Cfg::kAccumulators];
-#pragma unroll
-  for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
-  for (int kb = 0; kb < k_blocks; ++kb) {
+  PipelineState<Cfg::kStages> done = state;  // the oldest k-block in flight
+  // Waits for the next k-block's stage and issues its wgmmas into part; returns its B scale.
+  const auto issue = [&](float (&part)[N], int kb) {
     const float b_scale = __ldg(b_scales + kb);
     Barrier::wait(smem.full(state.stage), state.phase);
     const uint64_t desc_a = L::descriptor(smem.a(state.stage) + a_offset);
@@ -40,16 +40,45 @@ __device__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                 k > 0 ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
     }
     cute::warpgroup_commit_batch();
-    if (kb == 0) under_first_batch();
-    cute::warpgroup_wait<0>();
+    state.advance();
+    return b_scale;
+  };
+  // The oldest k-block's wgmmas have completed: scale part into acc and release its stage.
+  const auto retire = [&](float (&part)[N], float b_scale) {
     fence_accumulators(part);
-    const float* a_scales = smem.a_scales(state.stage);
+    const float* a_scales = smem.a_scales(done.stage);
     const float scale_lo = a_scales[row] * b_scale, scale_hi = a_scales[row + 8] * b_scale;
     __syncwarp();  // every lane has read its scales before the warp releases the stage
-    if (signals) Barrier::arrive(smem.empty(state.stage));
+    if (signals) Barrier::arrive(smem.empty(done.stage));
+    done.advance();
 #pragma unroll
-    for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] += part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
-    state.advance();
+    for (int i = 0; i < N; ++i) acc[i] += part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
+  };
+  float part0[N], part1[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = 0.f;
+  float scale0 = issue(part0, 0), scale1;
+  under_first_batch();
+  // part0 holds k-block kb in flight at the top of each pass; the waits are static, so ptxas can
+  // see that each retire reads a completed fragment.
+  int kb = 0;
+  for (; kb + 2 < k_blocks; kb += 2) {
+    scale1 = issue(part1, kb + 1);
+    cute::warpgroup_wait<1>();
+    retire(part0, scale0);
+    scale0 = issue(part0, kb + 2);
+    cute::warpgroup_wait<1>();
+    retire(part1, scale1);
+  }
+  if (kb + 1 < k_blocks) {
+    scale1 = issue(part1, kb + 1);
+    cute::warpgroup_wait<1>();
+    retire(part0, scale0);
+    cute::warpgroup_wait<0>();
+    retire(part1, scale1);
+  } else {
+    cute::warpgroup_wait<0>();
+    retire(part0, scale0);
   }
 }
 
