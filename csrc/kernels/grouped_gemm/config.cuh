@@ -1,4 +1,5 @@
-// Tile shape, pipeline depth and shared-memory layout of the BF16 grouped GEMM.
+// Tile shape, pipeline depth and shared-memory layout of the BF16 grouped GEMM (config_fp8.cuh: the
+// block-FP8 variant, same layout plus A's scales).
 //
 // A CTA computes one 128 x BLOCK_N tile of C at a time: 128 rows (a pool block, one expert; or an
 // m-tile of a weight gradient), split between two math warpgroups (64 rows each, one wgmma

@@ -1,7 +1,8 @@
-// Persistent, warp-specialised BF16 grouped GEMM over a routing plan's expert-major pool (sm_90a),
-// templated on its epilogue policy (epilogue.cuh: plain store, epilogue_swiglu.cuh,
-// epilogue_scatter.cuh, epilogue_swiglu_backward.cuh, epilogue_weight_grad.cuh) and its scheduler
-// policy (scheduler.cuh: pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients).
+// Persistent, warp-specialised grouped GEMM over a routing plan's expert-major pool (sm_90a), BF16
+// or block FP8 (the epilogue's Cfg: config.cuh, config_fp8.cuh), templated on its epilogue policy
+// (epilogue.cuh: plain store, epilogue_swiglu.cuh, epilogue_scatter.cuh,
+// epilogue_swiglu_backward.cuh, epilogue_weight_grad.cuh) and its scheduler policy (scheduler.cuh:
+// pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients).
 //
 // One CTA per SM, 384 threads:
 //   warpgroup 0  producer: one thread issues the TMA loads of every tile's A and B k-blocks into a
@@ -10,7 +11,7 @@
 //                memory, then runs the epilogue on its rows while the producer is already filling
 //                the ring with the next tile.
 // See config.cuh (tile shape and shared memory), pipeline.cuh (barriers), scheduler.cuh (tile
-// order), operand.cuh (operand layouts), mainloop.cuh (TMA + wgmma).
+// order), operand.cuh (operand layouts), mainloop.cuh (TMA + wgmma), mainloop_fp8.cuh (block FP8).
 #pragma once
 
 #include <cuda.h>
@@ -113,7 +114,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
       const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
       // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
       // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
-      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, [] {});
+      if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
+        main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, [] {});
+      }
       if constexpr (RingChunks<Epi>::value > 0) {
         Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
       } else {

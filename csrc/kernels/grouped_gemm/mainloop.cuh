@@ -3,7 +3,8 @@
 // Operand tiles are 128B-swizzled, K-major or MN-major (operand.cuh: TMA boxes, descriptors, the
 // k-step); the wgmma op carries the majorness of each operand. The scheduler policy
 // (scheduler.cuh, scheduler_expert.cuh) says which tiles, where their operands start and how many
-// 64-deep k-blocks each has.
+// k-blocks (Cfg::kKBlock deep: 64 bf16, 128 e4m3) each has. The producer serves both precisions;
+// mainloop_fp8.cuh has the block-FP8 consumer.
 #pragma once
 
 #include <cuda.h>
