@@ -55,12 +55,26 @@ constexpr int pipeline_stages(int stage_bytes, int epi_bytes) {
 
 enum class Major { K, MN };  // which dimension of an operand is contiguous in global memory
 
+// What follows from a stage's size and the tile width, for every precision: the epilogue buffers,
+// as many stages as fit next to them, the shared memory in all, and the fp32 accumulators each math
+// thread holds (64 x BLOCK_N / 128).
+template <int StageBytes, int BlockN>
+struct StageLayout {
+  static constexpr int kStageBytes = StageBytes;
+  static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
+  static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
+  static_assert(kStages >= 3, "pipeline too shallow");
+  static constexpr int kSmemBytes = shared_bytes(kStages, kStageBytes, kEpiBytes);
+  static_assert(kSmemBytes <= kSharedMemoryLimit);
+  static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
+};
+
 // BBoxes (K-major B only): how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
 // boxes of BLOCK_N / 2 rows from different places of B, stacked in one tile (SwiGLU: the gate rows
 // and the matching up rows), armed on the same full barrier with the same total byte count.
 // An MN-major B always spans BLOCK_N consecutive columns (BLOCK_N / 64 boxes).
 template <int BlockN, int BBoxes = 1, Major AMajor = Major::K, Major BMajor = Major::K>
-struct Config {
+struct Config : StageLayout<(kBlockM + BlockN) * kBlockK * 2, BlockN> {
   static_assert(BlockN == 128 || BlockN == 256, "BLOCK_N must be 128 or 256 (wgmma N <= 256)");
   static_assert(BBoxes == 1 || BBoxes == 2, "one or two B boxes per stage");
   static_assert(BBoxes == 1 || BMajor == Major::K, "split B tiles are K-major");
@@ -76,14 +90,6 @@ struct Config {
   static constexpr int kBBoxBytes = kBBoxRows * kBlockK * 2;  // a multiple of 1024: boxes stay atom-aligned
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = BlockN * kBlockK * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
-  static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
-  static_assert(kStages >= 3, "pipeline too shallow");
-  static constexpr int kSmemBytes = shared_bytes(kStages, kStageBytes, kEpiBytes);
-  static_assert(kSmemBytes <= kSharedMemoryLimit);
-  // Each math thread holds 64 x BLOCK_N / 128 fp32 accumulators.
-  static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
 };
 
 // Shared memory, carved from the 1024-aligned start of the dynamic allocation:

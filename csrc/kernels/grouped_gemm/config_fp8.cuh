@@ -20,7 +20,7 @@ namespace megamoe::grouped_gemm {
 constexpr int kFp8BlockK = 128;  // K elements (bytes) per k-block, and the scale block along K
 
 template <int BlockN>
-struct Fp8Config {
+struct Fp8Config : StageLayout<(kBlockM + BlockN) * kFp8BlockK + kBlockM * 4, BlockN> {
   static_assert(BlockN == 128, "block FP8 keeps two fp32 fragments per thread: BLOCK_N 128");
   static constexpr Major kAMajor = Major::K;
   static constexpr Major kBMajor = Major::K;
@@ -37,13 +37,6 @@ struct Fp8Config {
     const float* b_scales;   // fp32 [E_local, N / 128, K / 128]
     int n_blocks;            // N / 128
   };
-  static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
-  static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
-  static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
-  static_assert(kStages >= 3, "pipeline too shallow");
-  static constexpr int kSmemBytes = shared_bytes(kStages, kStageBytes, kEpiBytes);
-  static_assert(kSmemBytes <= kSharedMemoryLimit);
-  static constexpr int kAccumulators = kWarpgroupRows * BlockN / 128;
 };
 
 }  // namespace megamoe::grouped_gemm
