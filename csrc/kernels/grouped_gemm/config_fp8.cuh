@@ -6,9 +6,10 @@
 // bytes like a 16-deep bf16 one), plus the 128 A scales of the tile's rows for that k-block. FP8
 // wgmma reads both operands K-major only.
 //
-// The scales change every k-block, so each k-block's 4 wgmmas accumulate into a fresh fp32
-// fragment that is then scaled and added to the tile's sum: two fragments per math thread, which
-// limits BLOCK_N to 128 (64 + 64 fp32 registers) under the 232-register budget.
+// The scales change every k-block, so each k-block's wgmmas accumulate into a fresh fp32 fragment
+// that is then scaled and added to the tile's sum (mainloop_fp8.cuh). At BLOCK_N 128 two such
+// fragments alternate (64 + 64 + 64 registers with the sum); at BLOCK_N 256 the sum alone takes
+// 128, so one 64-register fragment serves the tile's two 128-column halves in turn.
 #pragma once
 
 #include <cuda.h>
@@ -21,7 +22,7 @@ constexpr int kFp8BlockK = 128;  // K elements (bytes) per k-block, and the scal
 
 template <int BlockN>
 struct Fp8Config : StageLayout<(kBlockM + BlockN) * kFp8BlockK + kBlockM * 4, BlockN> {
-  static_assert(BlockN == 128, "block FP8 keeps two fp32 fragments per thread: BLOCK_N 128");
+  static_assert(BlockN == 128 || BlockN == 256, "BLOCK_N must be 128 or 256");
   static constexpr Major kAMajor = Major::K;
   static constexpr Major kBMajor = Major::K;
   static constexpr bool kFp8 = true;

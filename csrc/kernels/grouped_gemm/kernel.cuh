@@ -45,7 +45,7 @@ __device__ __forceinline__ void main_loop(float (&acc)[Cfg::kAccumulators], cons
                                           int warpgroup, const typename Cfg::MainloopParams& mainloop,
                                           UnderFirstBatch&& under_first_batch) {
   if constexpr (Cfg::kFp8) {
-    const int64_t b_block = int64_t(sched.expert(tile)) * mainloop.n_blocks + tile.n_tile;
+    const int64_t b_block = int64_t(sched.expert(tile)) * mainloop.n_blocks + tile.n_tile * (Cfg::kBlockN / 128);
     mma_tile_fp8<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, mainloop.b_scales + b_block * tile.k_blocks,
                       under_first_batch);
   } else {

@@ -1,4 +1,4 @@
-// Block-FP8 main loop of one math warpgroup: rows [64 wg, 64 wg + 64) x 128 columns of the tile.
+// Block-FP8 main loop of one math warpgroup: rows [64 wg, 64 wg + 64) x BLOCK_N columns of the tile.
 //
 // Per 128-deep k-block: 4 wgmma m64n128k32 (e4m3 x e4m3 -> fp32) into a fresh fragment, then
 //   acc[row, col] += part[row, col] * a_scale[row, kb] * b_scale[kb]
@@ -10,13 +10,15 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include <type_traits>
+
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/mainloop.cuh"
 
 namespace megamoe::grouped_gemm {
 
 template <class Cfg, class Smem, class UnderFirstBatch>
-__device__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem, PipelineState<Cfg::kStages>& state,
+__device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const Smem& smem, PipelineState<Cfg::kStages>& state,
                              int k_blocks, int warpgroup, const float* b_scales, UnderFirstBatch&& under_first_batch) {
   using L = OperandLayout<Major::K>;
   using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
@@ -79,6 +81,79 @@ __device__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem,
   } else {
     cute::warpgroup_wait<0>();
     retire(part0, scale0);
+  }
+}
+
+// BLOCK_N 256: the sum holds 128 registers, so each k-block runs as two halves of 4 wgmma
+// m64n128k32 into one fragment (B rows [0, 128) then [128, 256) of the stage), each scaled and added
+// to its 64 registers of the sum before the next half is issued. The tile stages half as many A
+// bytes per FLOP as at BLOCK_N 128 (shared memory and L2), for a wait per half.
+template <class Cfg, class Smem, class UnderFirstBatch>
+__device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem& smem,
+                                    PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
+                                    const float* b_scales, UnderFirstBatch&& under_first_batch) {
+  using L = OperandLayout<Major::K>;
+  using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+  constexpr int N = Cfg::kAccumulators / 2;
+  constexpr uint32_t kHalfBBytes = 128 * kFp8BlockK;
+  const bool signals = threadIdx.x % 32 == 0;
+  const uint32_t a_offset = L::mn_offset(warpgroup * kWarpgroupRows);
+  const int row = warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
+  float part[N];
+  // The first k-block sets the sum instead of adding to it, so the sum's registers are not live
+  // while the previous tile's deferred store (under_first_batch) still holds its packed values.
+  const auto k_block = [&](int kb, auto first) {
+    const float b_scale[2] = {__ldg(b_scales + kb), __ldg(b_scales + k_blocks + kb)};
+    Barrier::wait(smem.full(state.stage), state.phase);
+    const float* a_scales = smem.a_scales(state.stage);
+    const float a_lo = a_scales[row], a_hi = a_scales[row + 8];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint64_t desc_a = L::descriptor(smem.a(state.stage) + a_offset);
+      const uint64_t desc_b = L::descriptor(smem.b(state.stage) + half * kHalfBBytes);
+      fence_accumulators(part);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < Cfg::kKBlock / 32; ++k) {
+        wgmma<Op>(advance_descriptor(desc_a, k * L::kKStepBytes), advance_descriptor(desc_b, k * L::kKStepBytes),
+                  part, k > 0 ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (decltype(first)::value) {
+        if (half == 0) under_first_batch();
+      }
+      cute::warpgroup_wait<0>();
+      fence_accumulators(part);
+      if (half == 1) {
+        __syncwarp();  // every lane has read its scales before the warp releases the stage
+        if (signals) Barrier::arrive(smem.empty(state.stage));
+      }
+      const float scale_lo = a_lo * b_scale[half], scale_hi = a_hi * b_scale[half];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const float scaled = part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
+        if constexpr (decltype(first)::value) {
+          acc[half * N + i] = scaled;
+        } else {
+          acc[half * N + i] += scaled;
+        }
+      }
+    }
+    state.advance();
+  };
+  k_block(0, std::true_type{});
+  for (int kb = 1; kb < k_blocks; ++kb) k_block(kb, std::false_type{});
+}
+
+// b_scales: this tile's first 128-column block's scales, one per k-block; the next block's follow.
+template <class Cfg, class Smem, class UnderFirstBatch>
+__device__ __forceinline__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem,
+                                             PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
+                                             const float* b_scales, UnderFirstBatch&& under_first_batch) {
+  if constexpr (Cfg::kBlockN == 128) {
+    mma_tile_fp8_alternating<Cfg>(acc, smem, state, k_blocks, warpgroup, b_scales, under_first_batch);
+  } else {
+    mma_tile_fp8_halves<Cfg>(acc, smem, state, k_blocks, warpgroup, b_scales, under_first_batch);
   }
 }
 
