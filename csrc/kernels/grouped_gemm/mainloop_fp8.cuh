@@ -3,9 +3,7 @@
 // Per 128-deep k-block: 4 wgmma m64n128k32 (e4m3 x e4m3 -> fp32) into a fresh fragment, then
 //   acc[row, col] += part[row, col] * a_scale[row, kb] * b_scale[kb]
 // (fp32, in k-block order). A's scales come with the stage (config_fp8.cuh); B's one scale per
-// k-block of this 128-column block is read from global memory when the k-block is issued. Two
-// fragments alternate: k-block kb + 1's wgmmas are in flight while kb's are scaled and added, so the
-// warpgroup's tensor work does not pause for the scaling.
+// k-block of each 128-column block is read from global memory when the k-block is issued.
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -17,9 +15,12 @@
 
 namespace megamoe::grouped_gemm {
 
+// BLOCK_N 128: two fragments alternate, k-block kb + 1's wgmmas in flight while kb's are scaled and
+// added, so the warpgroup's tensor work does not pause for the scaling.
 template <class Cfg, class Smem, class UnderFirstBatch>
-__device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const Smem& smem, PipelineState<Cfg::kStages>& state,
-                             int k_blocks, int warpgroup, const float* b_scales, UnderFirstBatch&& under_first_batch) {
+__device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const Smem& smem,
+                                         PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
+                                         const float* b_scales, UnderFirstBatch&& under_first_batch) {
   using L = OperandLayout<Major::K>;
   using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
   constexpr int N = Cfg::kAccumulators;
