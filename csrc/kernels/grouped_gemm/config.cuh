@@ -112,7 +112,7 @@ struct SharedStorage {
     return reinterpret_cast<float*>(base + kTileBytes + Cfg::kEpiBytes + stage * Cfg::kScaleBytes);
   }
   __device__ uint64_t* full(int stage) const {
-    return reinterpret_cast<uint64_t*>(base + Cfg::kStages * Cfg::kStageBytes + Cfg::kEpiBytes) + stage;
+    return reinterpret_cast<uint64_t*>(a_scales(Cfg::kStages)) + stage;  // right after the last scales
   }
   __device__ uint64_t* empty(int stage) const { return full(Cfg::kStages) + stage; }
 };

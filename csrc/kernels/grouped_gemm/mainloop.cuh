@@ -57,6 +57,20 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
+// One k-block's wgmmas (Steps k steps) into acc, committed as one batch. The first k step overwrites
+// acc unless `accumulate` (so a tile's first k-block needs no zeroing of the accumulators).
+template <class Op, int Steps, class LA, class LB, int N>
+__device__ __forceinline__ void issue_k_block(float (&acc)[N], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  fence_accumulators(acc);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < Steps; ++k) {
+    wgmma<Op>(advance_descriptor(desc_a, k * LA::kKStepBytes), advance_descriptor(desc_b, k * LB::kKStepBytes), acc,
+              (accumulate || k > 0) ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+  }
+  cute::warpgroup_commit_batch();
+}
+
 // One thread streams every tile's A and B k-blocks (block FP8: with A's scales) into the ring, then
 // the stages its epilogue reads through the ring, if any (epilogue.cuh, RingChunks).
 template <class Cfg, class Epi, class Sched, class Smem>
@@ -104,16 +118,7 @@ __device__ void mma_tile(float (&acc)[Cfg::kAccumulators], const Smem& smem, Pip
     Barrier::wait(smem.full(state.stage), state.phase);
     const uint64_t desc_a = LA::descriptor(smem.a(state.stage) + a_offset);
     const uint64_t desc_b = LB::descriptor(smem.b(state.stage));
-    fence_accumulators(acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k) {
-      // The first wgmma of a tile overwrites the accumulators instead of clearing them first.
-      const auto scale_d = (kb > 0 || k > 0) ? gmma::ScaleOut::One : gmma::ScaleOut::Zero;
-      wgmma<Op>(advance_descriptor(desc_a, k * LA::kKStepBytes), advance_descriptor(desc_b, k * LB::kKStepBytes),
-                acc, scale_d);
-    }
-    cute::warpgroup_commit_batch();
+    issue_k_block<Op, kBlockK / 16, LA, LB>(acc, desc_a, desc_b, kb > 0);
     if (kb == 0) under_first_batch();
     cute::warpgroup_wait<1>();
     fence_accumulators(acc);

@@ -15,34 +15,53 @@
 
 namespace megamoe::grouped_gemm {
 
+using Fp8Wgmma = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+using Fp8Layout = OperandLayout<Major::K>;
+
+// The 4 wgmma m64n128k32 of a 128-deep k-block into a fresh fragment; desc_b: the 128 B rows.
+template <int N>
+__device__ __forceinline__ void issue_fp8_k_block(float (&part)[N], uint64_t desc_a, uint64_t desc_b) {
+  issue_k_block<Fp8Wgmma, kFp8BlockK / 32, Fp8Layout, Fp8Layout>(part, desc_a, desc_b, false);
+}
+
+// The first of this thread's two fragment rows (the other is row + 8; epilogue.cuh has the layout).
+__device__ __forceinline__ int fragment_row(int warpgroup) {
+  return warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
+}
+
+// acc[offset + i] (=, or += with Accumulate) part[i] scaled by its row's scale (scale_lo for the
+// fragment's first row, scale_hi for row + 8).
+template <bool Accumulate, int M, int N>
+__device__ __forceinline__ void add_scaled(float (&acc)[M], int offset, const float (&part)[N], float scale_lo,
+                                           float scale_hi) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float scaled = part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
+    if constexpr (Accumulate) {
+      acc[offset + i] += scaled;
+    } else {
+      acc[offset + i] = scaled;
+    }
+  }
+}
+
 // BLOCK_N 128: two fragments alternate, k-block kb + 1's wgmmas in flight while kb's are scaled and
 // added, so the warpgroup's tensor work does not pause for the scaling.
 template <class Cfg, class Smem, class UnderFirstBatch>
 __device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                                          PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
                                          const float* b_scales, UnderFirstBatch&& under_first_batch) {
-  using L = OperandLayout<Major::K>;
-  using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
   constexpr int N = Cfg::kAccumulators;
   const bool signals = threadIdx.x % 32 == 0;
-  const uint32_t a_offset = L::mn_offset(warpgroup * kWarpgroupRows);
-  // The fragment's rows of this thread: row and row + 8 (epilogue.cuh has the layout).
-  const int row = warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
+  const uint32_t a_offset = Fp8Layout::mn_offset(warpgroup * kWarpgroupRows);
+  const int row = fragment_row(warpgroup);
   PipelineState<Cfg::kStages> done = state;  // the oldest k-block in flight
   // Waits for the next k-block's stage and issues its wgmmas into part; returns its B scale.
   const auto issue = [&](float (&part)[N], int kb) {
     const float b_scale = __ldg(b_scales + kb);
     Barrier::wait(smem.full(state.stage), state.phase);
-    const uint64_t desc_a = L::descriptor(smem.a(state.stage) + a_offset);
-    const uint64_t desc_b = L::descriptor(smem.b(state.stage));
-    fence_accumulators(part);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < Cfg::kKBlock / 32; ++k) {
-      wgmma<Op>(advance_descriptor(desc_a, k * L::kKStepBytes), advance_descriptor(desc_b, k * L::kKStepBytes), part,
-                k > 0 ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
-    }
-    cute::warpgroup_commit_batch();
+    issue_fp8_k_block(part, Fp8Layout::descriptor(smem.a(state.stage) + a_offset),
+                      Fp8Layout::descriptor(smem.b(state.stage)));
     state.advance();
     return b_scale;
   };
@@ -54,8 +73,7 @@ __device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const
     __syncwarp();  // every lane has read its scales before the warp releases the stage
     if (signals) Barrier::arrive(smem.empty(done.stage));
     done.advance();
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[i] += part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
+    add_scaled<true>(acc, 0, part, scale_lo, scale_hi);
   };
   float part0[N], part1[N];
 #pragma unroll
@@ -93,13 +111,11 @@ template <class Cfg, class Smem, class UnderFirstBatch>
 __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                                     PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
                                     const float* b_scales, UnderFirstBatch&& under_first_batch) {
-  using L = OperandLayout<Major::K>;
-  using Op = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
   constexpr int N = Cfg::kAccumulators / 2;
   constexpr uint32_t kHalfBBytes = 128 * kFp8BlockK;
   const bool signals = threadIdx.x % 32 == 0;
-  const uint32_t a_offset = L::mn_offset(warpgroup * kWarpgroupRows);
-  const int row = warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
+  const uint32_t a_offset = Fp8Layout::mn_offset(warpgroup * kWarpgroupRows);
+  const int row = fragment_row(warpgroup);
   float part[N];
   // The first k-block sets the sum instead of adding to it, so the sum's registers are not live
   // while the previous tile's deferred store (under_first_batch) still holds its packed values.
@@ -110,16 +126,8 @@ __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem
     const float a_lo = a_scales[row], a_hi = a_scales[row + 8];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint64_t desc_a = L::descriptor(smem.a(state.stage) + a_offset);
-      const uint64_t desc_b = L::descriptor(smem.b(state.stage) + half * kHalfBBytes);
-      fence_accumulators(part);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < Cfg::kKBlock / 32; ++k) {
-        wgmma<Op>(advance_descriptor(desc_a, k * L::kKStepBytes), advance_descriptor(desc_b, k * L::kKStepBytes),
-                  part, k > 0 ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
-      }
-      cute::warpgroup_commit_batch();
+      issue_fp8_k_block(part, Fp8Layout::descriptor(smem.a(state.stage) + a_offset),
+                        Fp8Layout::descriptor(smem.b(state.stage) + half * kHalfBBytes));
       if constexpr (decltype(first)::value) {
         if (half == 0) under_first_batch();
       }
@@ -129,16 +137,7 @@ __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem
         __syncwarp();  // every lane has read its scales before the warp releases the stage
         if (signals) Barrier::arrive(smem.empty(state.stage));
       }
-      const float scale_lo = a_lo * b_scale[half], scale_hi = a_hi * b_scale[half];
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const float scaled = part[i] * ((i % 4) < 2 ? scale_lo : scale_hi);
-        if constexpr (decltype(first)::value) {
-          acc[half * N + i] = scaled;
-        } else {
-          acc[half * N + i] += scaled;
-        }
-      }
+      add_scaled<!decltype(first)::value>(acc, half * N, part, a_lo * b_scale[half], a_hi * b_scale[half]);
     }
     state.advance();
   };
