@@ -8,6 +8,19 @@ from . import _native
 from .routing import RoutingPlan
 
 
+def _check_pool_operands(name: str, a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, dtype: torch.dtype) -> int:
+    """The checks both pool GEMMs make of a [pool rows, K] and b [E_local, N, K]; returns the pool rows."""
+    rows = plan.block_expert.numel() * _native.BLOCK_M
+    if a.dtype != dtype or b.dtype != dtype:
+        raise TypeError(f"{name} takes {str(dtype).removeprefix('torch.')} operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or b.shape[2] != a.shape[1]:
+        raise ValueError(f"a must be [{rows}, K] and b [E_local, N, K]; got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if not (a.is_cuda and b.is_cuda and a.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"{name} needs contiguous CUDA tensors")
+    return rows
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """c [rows, N] with c[block] = a[block] · b[expert of block]ᵀ for the plan's live blocks.
@@ -15,14 +28,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch
     a: [max_blocks * 128, K] bf16 pool rows; b: [E_local, N, K] bf16; out: where to write c (a
     contiguous bf16 [rows, N]), or None for a new tensor. Rows past the live blocks are left unwritten.
     """
-    rows = plan.block_expert.numel() * _native.BLOCK_M
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise TypeError(f"grouped_gemm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
-    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or b.shape[2] != a.shape[1]:
-        raise ValueError(f"a must be [{rows}, K] and b [E_local, N, K]; got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}")
-    if not (a.is_cuda and b.is_cuda and a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("grouped_gemm needs contiguous CUDA tensors")
+    rows = _check_pool_operands("grouped_gemm", a, b, plan, torch.bfloat16)
     num_local, n, k = b.shape
     c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device) if out is None else out
     if c.shape != (rows, n) or c.dtype != torch.bfloat16 or c.device != a.device or not c.is_contiguous():
@@ -39,18 +45,12 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
                      plan: RoutingPlan) -> torch.Tensor:
     """Block-FP8 grouped_gemm: c [rows, N] bf16 from e4m3 a [rows, K] with a_scales [K / 128, rows]
     and e4m3 b [E_local, N, K] with b_scales [E_local, N / 128, K / 128] (megamoe.fp8 makes both)."""
-    rows = plan.block_expert.numel() * _native.BLOCK_M
-    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"grouped_gemm_fp8 takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
-    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or b.shape[2] != a.shape[1]:
-        raise ValueError(f"a must be [{rows}, K] and b [E_local, N, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
+    rows = _check_pool_operands("grouped_gemm_fp8", a, b, plan, torch.float8_e4m3fn)
     num_local, n, k = b.shape
     for name, t, shape in (("a_scales", a_scales, (k // 128, rows)),
                            ("b_scales", b_scales, (num_local, n // 128, k // 128))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
-    if not all(t.is_cuda and t.is_contiguous() for t in (a, b)):
-        raise ValueError("grouped_gemm_fp8 needs contiguous CUDA tensors")
     c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
     _native.check(_native.library().megamoe_grouped_gemm_fp8(
         a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), c.data_ptr(),
