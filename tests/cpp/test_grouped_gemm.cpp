@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -64,24 +65,31 @@ std::vector<GemmCase> cases() {
   };
 }
 
-Plan build_plan(const GemmCase& c, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
-                DeviceBuffer<int32_t>& num_blocks_dev) {
-  const megamoe_routing_shape s{c.tokens, c.top_k, c.experts, 0, c.experts};
-  DeviceBuffer<int32_t> slot_to_route(megamoe_routing_capacity(&s));
-  return build_plan(s, ids, block_expert, num_blocks_dev, slot_to_route);
-}
+// A case's routing plan, built on the GPU before each test (skipped without one): host copies in p,
+// block_expert and num_blocks on the device for the kernels.
+class PoolGemmTest : public ::testing::TestWithParam<GemmCase> {
+ protected:
+  void SetUp() override {
+    if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+    const GemmCase& c = GetParam();
+    const megamoe_routing_shape s{c.tokens, c.top_k, c.experts, 0, c.experts};
+    max_blocks = megamoe_routing_max_blocks(&s);
+    block_expert.emplace(max_blocks);
+    num_blocks.emplace(1);
+    DeviceBuffer<int32_t> slot_to_route(megamoe_routing_capacity(&s));
+    p = build_plan(s, make_ids(c), *block_expert, *num_blocks, slot_to_route);
+    if (HasFailure()) GTEST_FAIL() << "building the routing plan failed";
+  }
 
+  int64_t max_blocks = 0;
+  std::optional<DeviceBuffer<int32_t>> block_expert, num_blocks;
+  Plan p;
+};
 
-class GroupedGemmTest : public ::testing::TestWithParam<GemmCase> {};
+class GroupedGemmTest : public PoolGemmTest {};
 
 TEST_P(GroupedGemmTest, MatchesHostReference) {
-  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
   const GemmCase& c = GetParam();
-  const megamoe_routing_shape shape{c.tokens, c.top_k, c.experts, 0, c.experts};
-  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
-  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1);
-  const Plan p = build_plan(c, make_ids(c), block_expert, num_blocks);
-  if (HasFailure()) return;
 
   // The routing must give what this test is meant to cover.
   const int64_t hot_blocks = (p.counts[0] + MEGAMOE_BLOCK_M - 1) / MEGAMOE_BLOCK_M;
@@ -107,7 +115,7 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
   b_dev.upload(b);
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);  // kCPoison everywhere
 
-  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert.ptr, num_blocks.ptr,
+  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert->ptr, num_blocks->ptr,
                                       max_blocks, n, k, c.experts, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
@@ -135,7 +143,7 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
   DeviceBuffer<int32_t> fewer(1);
   fewer.upload({p.num_blocks - 1});
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert.ptr, fewer.ptr, max_blocks,
+  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert->ptr, fewer.ptr, max_blocks,
                                       n, k, c.experts, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
@@ -163,16 +171,10 @@ float from_e4m3(uint8_t bits) {
   return float(v);
 }
 
-class GroupedGemmFp8Test : public ::testing::TestWithParam<GemmCase> {};
+class GroupedGemmFp8Test : public PoolGemmTest {};
 
 TEST_P(GroupedGemmFp8Test, MatchesHostReference) {
-  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
   const GemmCase& c = GetParam();
-  const megamoe_routing_shape shape{c.tokens, c.top_k, c.experts, 0, c.experts};
-  const int64_t max_blocks = megamoe_routing_max_blocks(&shape);
-  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1);
-  const Plan p = build_plan(c, make_ids(c), block_expert, num_blocks);
-  if (HasFailure()) return;
 
   const int n = c.n, k = c.k, k_blocks = k / 128;
   const int64_t rows = max_blocks * MEGAMOE_BLOCK_M;
@@ -198,7 +200,7 @@ TEST_P(GroupedGemmFp8Test, MatchesHostReference) {
   b_scales_dev.upload(b_scales);
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);
   ASSERT_EQ(megamoe_grouped_gemm_fp8(a_dev.ptr, a_scales_dev.ptr, b_dev.ptr, b_scales_dev.ptr, c_dev.ptr,
-                                     block_expert.ptr, num_blocks.ptr, max_blocks, n, k, c.experts, nullptr),
+                                     block_expert->ptr, num_blocks->ptr, max_blocks, n, k, c.experts, nullptr),
             MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
