@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "megamoe/megamoe.h"
 
@@ -36,8 +37,15 @@ MEGAMOE_HOST_DEVICE inline bool is_invalid_id(int32_t id, const megamoe_routing_
   return id < -1 || id >= s.num_experts;
 }
 
-// Checks the shape and the plan pointers; returns MEGAMOE_OK or sets the last error.
-int validate(const megamoe_routing_shape* shape, const megamoe_routing_plan* plan,
-             bool needs_workspace);
+// Checks a plan before it is built: its shape and its output pointers; returns MEGAMOE_OK or sets
+// the last error.
+int validate(const megamoe_routing_plan* plan, bool needs_workspace);
+
+// Checks a plan handed to a consumer (dispatch, combine, the pool GEMMs): non-null, with a valid
+// shape. `fn` ("megamoe_...: ") prefixes the message. The consumer checks the arrays it reads.
+int check_plan(const std::string& fn, const megamoe_routing_plan* plan);
+
+inline int64_t max_blocks(const megamoe_routing_plan& plan) { return megamoe_routing_max_blocks(&plan.shape); }
+inline int64_t pool_rows(const megamoe_routing_plan& plan) { return megamoe_routing_capacity(&plan.shape); }
 
 }  // namespace megamoe::routing

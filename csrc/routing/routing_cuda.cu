@@ -183,17 +183,18 @@ __global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routi
 
 using namespace megamoe::routing;
 
-extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_shape* shape,
-                                          const megamoe_routing_plan* plan, void* stream_handle) {
-  if (int status = validate(shape, plan, num_routes(*shape) > 0); status != MEGAMOE_OK) return status;
-  const auto& s = *shape;
+extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_plan* plan,
+                                          void* stream_handle) {
+  if (plan == nullptr) return megamoe::invalid_argument("routing: null plan");
+  MEGAMOE_RETURN_IF_ERROR(validate(plan, num_routes(plan->shape) > 0));
+  const auto& s = plan->shape;
   auto stream = static_cast<cudaStream_t>(stream_handle);
   auto* chunk_counts = static_cast<int32_t*>(plan->workspace);
   const int64_t chunks = num_chunks(s);
   const int grid = int(ceil_div(chunks, kWarpsPerCta));
 
   count_chunks<<<grid > 0 ? grid : 1, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, *plan,
-                                                                      megamoe_routing_capacity(shape));
+                                                                      megamoe_routing_capacity(&s));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());

@@ -8,23 +8,36 @@
 
 namespace megamoe::routing {
 
-int validate(const megamoe_routing_shape* shape, const megamoe_routing_plan* plan,
-             bool needs_workspace) {
-  if (shape == nullptr || plan == nullptr) return invalid_argument("routing: null shape or plan");
-  const auto& s = *shape;
-  if (s.num_tokens < 0) return invalid_argument("routing: num_tokens must be >= 0");
-  if (s.top_k < 1) return invalid_argument("routing: top_k must be >= 1");
-  if (s.num_experts < 1) return invalid_argument("routing: num_experts must be >= 1");
+namespace {
+
+int check_shape(const std::string& fn, const megamoe_routing_shape& s) {
+  if (s.num_tokens < 0) return invalid_argument(fn + "num_tokens must be >= 0");
+  if (s.top_k < 1) return invalid_argument(fn + "top_k must be >= 1");
+  if (s.num_experts < 1) return invalid_argument(fn + "num_experts must be >= 1");
   if (s.num_local_experts < 1 || s.expert_begin < 0 ||
       int64_t(s.expert_begin) + s.num_local_experts > s.num_experts) {
-    return invalid_argument("routing: local experts [" + std::to_string(s.expert_begin) + ", " +
+    return invalid_argument(fn + "local experts [" + std::to_string(s.expert_begin) + ", " +
                             std::to_string(int64_t(s.expert_begin) + s.num_local_experts) +
                             ") must lie inside [0, " + std::to_string(s.num_experts) + ")");
   }
   if (num_routes(s) > INT32_MAX / 2) {
-    return invalid_argument("routing: T * K = " + std::to_string(num_routes(s)) +
+    return invalid_argument(fn + "T * K = " + std::to_string(num_routes(s)) +
                             " routes exceeds the 32-bit slot index range");
   }
+  return MEGAMOE_OK;
+}
+
+}  // namespace
+
+int check_plan(const std::string& fn, const megamoe_routing_plan* plan) {
+  if (plan == nullptr) return invalid_argument(fn + "plan must be non-null (a routing plan)");
+  return check_shape(fn + "plan.shape: ", plan->shape);
+}
+
+int validate(const megamoe_routing_plan* plan, bool needs_workspace) {
+  if (plan == nullptr) return invalid_argument("routing: null plan");
+  MEGAMOE_RETURN_IF_ERROR(check_shape("routing: ", plan->shape));
+  const auto& s = plan->shape;
   if (!plan->expert_counts || !plan->expert_offsets || !plan->slot_to_route ||
       !plan->block_expert || !plan->num_blocks || !plan->num_invalid ||
       (num_routes(s) > 0 && !plan->route_to_slot) || (needs_workspace && !plan->workspace)) {
@@ -45,10 +58,9 @@ extern "C" int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape
   return megamoe_routing_capacity(shape) / kBlockM;
 }
 
-extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_shape* shape,
-                                          const megamoe_routing_plan* plan) {
-  if (int status = validate(shape, plan, false); status != MEGAMOE_OK) return status;
-  const auto& s = *shape;
+extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_plan* plan) {
+  MEGAMOE_RETURN_IF_ERROR(validate(plan, false));
+  const auto& s = plan->shape;
   const int64_t routes = num_routes(s);
   if (routes > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
 
@@ -69,8 +81,8 @@ extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe
     blocks += expert_blocks;
   }
   plan->expert_offsets[s.num_local_experts] = blocks * kBlockM;
-  std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(shape), -1);
-  std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(shape), -1);
+  std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(&s), -1);
+  std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(&s), -1);
   *plan->num_blocks = blocks;
   *plan->num_invalid = invalid;
 

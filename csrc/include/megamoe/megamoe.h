@@ -43,6 +43,7 @@ typedef struct {
   int32_t* num_blocks;      // [1]            blocks in use
   int32_t* num_invalid;     // [1]            routes whose id is outside [-1, E): treated as masked
   void* workspace;          // megamoe_routing_workspace_bytes() bytes; device plans only
+  megamoe_routing_shape shape;  // what the plan is built for: set before building, read by every consumer
 } megamoe_routing_plan;
 
 // Pool rows the plan can need in the worst case (every expert adds at most BLOCK_M - 1 padding rows).
@@ -50,59 +51,90 @@ int64_t megamoe_routing_capacity(const megamoe_routing_shape* shape);
 int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape);
 size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape);
 
-// GPU plan, enqueued on `stream` (a cudaStream_t); does not synchronise.
-int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_shape* shape,
-                               const megamoe_routing_plan* plan, void* stream);
+// GPU plan for plan->shape, enqueued on `stream` (a cudaStream_t); does not synchronise.
+int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_plan* plan, void* stream);
 
 // Host reference with the same outputs (plan->workspace is unused).
-int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_shape* shape,
-                               const megamoe_routing_plan* plan);
+int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_plan* plan);
+
+// ---------------------------------------------------------------------------------------------
+// Every entry point below that works on a pool takes the routing plan it was built from (device
+// arrays plus its shape: T = shape.num_tokens, K = shape.top_k, E_local = shape.num_local_experts,
+// max_blocks = megamoe_routing_max_blocks(&shape)) and one small struct of its own arguments.
+// A null pointer in an argument struct is an error unless the field says it may be null.
+// ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch and combine on one rank (bf16 rows, hidden size a multiple of 8).
 // dispatch: pool[route_to_slot[t, k]] = x[t] for every route with a slot; the padding rows of the
 //           live blocks (r < 128 * *num_blocks, slot_to_route[r] < 0) are zeroed, rows past the
-//           live blocks are not touched. Walks tokens, so each row of x is read once. weights
-//           [T, K] fp32 and weights_pool [pool rows] fp32: both null, or weights_pool[slot] =
-//           weights[t, k] the same way (0 on padding rows).
+//           live blocks are not touched. Walks tokens, so each row of x is read once. With weights,
+//           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows).
 // combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
 //           in ascending k, fp32, rounded once (deterministic).
 // ---------------------------------------------------------------------------------------------
-int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* route_to_slot,
-                          const int32_t* slot_to_route, const int32_t* num_blocks, int64_t num_tokens,
-                          int64_t max_blocks, int32_t top_k, int32_t hidden, const float* weights,
-                          float* weights_pool, void* stream);
-int megamoe_combine_bf16(const void* routed, const float* topk_weights, const int32_t* route_to_slot,
-                         void* y, int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream);
+typedef struct {
+  const void* x;         // [T, hidden] bf16
+  void* pool;            // [max_blocks * 128, hidden] bf16
+  const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
+  float* weights_pool;   // [max_blocks * 128] fp32, or null
+  int32_t hidden;        // a multiple of 8, at most 4096
+} megamoe_dispatch_args;
+
+typedef struct {
+  const void* routed;         // [T * K, hidden] bf16, row t * K + k
+  const float* topk_weights;  // [T, K] fp32
+  void* y;                    // [T, hidden] bf16
+  int32_t hidden;             // a multiple of 8
+} megamoe_combine_args;
+
+int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const megamoe_dispatch_args* args, void* stream);
+int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch and combine over W <= MEGAMOE_MAX_PEERS ranks (expert parallelism), pull model. Routes
 // are numbered globally, rank by rank: rank r's route t * K + k is route_offsets[r] + t * K + k
 // (route_offsets [W + 1], host array, route_offsets[0] = 0, rank r has (route_offsets[r + 1] -
-// route_offsets[r]) / K tokens). A rank's plan is megamoe_build_routing over every rank's topk_ids
+// route_offsets[r]) / K tokens). An owner's plan is megamoe_build_routing over every rank's topk_ids
 // (concatenated in rank order) and its own experts. Peer tables are host arrays of W device
 // pointers valid on this device: peer memory (NVLink), or other buffers of the same device for W
 // virtual ranks on one GPU.
-// dispatch_peers (on the experts' owner): pool rows of the live blocks: row s = x_peers[r][t] for its
-//           route (r, t, k) = slot_to_route[s], zeros on padding rows; rows past the live blocks
-//           untouched. x_peers[r] [T_r, hidden] bf16. weights_peers (host array of W device pointers
-//           to each rank's topk_weights [T_r, K] fp32) and weights_pool [pool rows] fp32: both null,
-//           or weights_pool[s] = the route's weight the same way (0 on padding rows).
-// combine_peers (on the tokens' rank): y[t] = Σ_k topk_weights[t, k] · out_peers[d][slot] where d is
-//           the rank whose plan gives global route route_offset + t * K + k a slot
-//           (route_to_slot_peers[d][route] >= 0; none: the route is masked and adds nothing), in
-//           ascending k, fp32, rounded once: bit for bit megamoe_combine_bf16's sums. out_peers[d]
-//           is rank d's pool-ordered GEMM output [pool rows, hidden] bf16 (megamoe_grouped_gemm_bf16).
+// dispatch_peers (on the experts' owner, with its plan): pool rows of the live blocks: row s =
+//           x_peers[r][t] for its route (r, t, k) = slot_to_route[s], zeros on padding rows; rows past
+//           the live blocks untouched. With weights_peers, weights_pool[s] = the route's weight the same way.
+// combine_peers (on the tokens' rank; reads the owners' tables, no plan of its own): y[t] =
+//           Σ_k topk_weights[t, k] · out_peers[d][slot] where d is the rank whose plan gives global route
+//           route_offset + t * K + k a slot (route_to_slot_peers[d][route] >= 0; none: the route is
+//           masked and adds nothing), in ascending k, fp32, rounded once: bit for bit
+//           megamoe_combine_bf16's sums. out_peers[d] is rank d's pool-ordered output [pool rows, hidden].
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_MAX_PEERS 8
 
-int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world, void* pool,
-                                const int32_t* slot_to_route, const int32_t* num_blocks, int64_t max_blocks,
-                                int32_t top_k, int32_t hidden, const float* const* weights_peers,
-                                float* weights_pool, void* stream);
-int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers, int32_t world,
-                               const float* topk_weights, int64_t route_offset, void* y, int64_t num_tokens,
-                               int32_t top_k, int32_t hidden, void* stream);
+typedef struct {
+  const void* const* x_peers;          // [W] -> [T_r, hidden] bf16
+  const int64_t* route_offsets;        // [W + 1], host
+  const float* const* weights_peers;   // [W] -> [T_r, K] fp32, or null (then weights_pool is null too)
+  void* pool;                          // [max_blocks * 128, hidden] bf16
+  float* weights_pool;                 // [max_blocks * 128] fp32, or null
+  int32_t world;
+  int32_t hidden;                      // a multiple of 8
+} megamoe_dispatch_peers_args;
+
+typedef struct {
+  const void* const* out_peers;                // [W] -> [pool rows of rank d, hidden] bf16
+  const int32_t* const* route_to_slot_peers;   // [W] -> every owner's route -> slot table over all routes
+  const float* topk_weights;                   // [T, K] fp32 of this rank
+  void* y;                                     // [T, hidden] bf16
+  int64_t route_offset;                        // this rank's first global route
+  int64_t num_tokens;                          // T of this rank
+  int32_t top_k;
+  int32_t world;
+  int32_t hidden;                              // a multiple of 8
+} megamoe_combine_peers_args;
+
+int megamoe_dispatch_peers_bf16(const megamoe_routing_plan* plan, const megamoe_dispatch_peers_args* args,
+                                void* stream);
+int megamoe_combine_peers_bf16(const megamoe_combine_peers_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Barrier across the W ranks of an expert-parallel group, with a timeout. Each rank owns an int32
@@ -143,11 +175,17 @@ int megamoe_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 //   C[128 b : 128 b + 128, :] = A[128 b : 128 b + 128, :] · B[e]ᵀ
 // A [max_blocks * 128, K] bf16 row-major; B [E_local, N, K] bf16 row-major (nn.Linear layout);
 // C [max_blocks * 128, N] bf16 row-major. num_blocks is read on the device (no host sync).
-// N and K must be multiples of 128.
+// N and K must be multiples of 128; every pointer 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32_t* block_expert,
-                              const int32_t* num_blocks, int64_t max_blocks, int32_t n, int32_t k,
-                              int32_t num_local_experts, void* stream);
+typedef struct {
+  const void* a;
+  const void* b;
+  void* c;
+  int32_t n;
+  int32_t k;
+} megamoe_gemm_args;
+
+int megamoe_grouped_gemm_bf16(const megamoe_routing_plan* plan, const megamoe_gemm_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // The same grouped GEMM in block FP8 (DeepSeek-V3 recipe): for every block b < *num_blocks with
@@ -158,56 +196,81 @@ int megamoe_grouped_gemm_bf16(const void* a, const void* b, void* c, const int32
 // (k-block major); B [E_local, N, K] e4m3 row-major; b_scales [E_local, N / 128, K / 128] fp32;
 // C [max_blocks * 128, N] bf16. N and K must be multiples of 128.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_fp8(const void* a, const float* a_scales, const void* b, const float* b_scales, void* c,
-                             const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks, int32_t n,
-                             int32_t k, int32_t num_local_experts, void* stream);
+typedef struct {
+  const void* a;
+  const float* a_scales;
+  const void* b;
+  const float* b_scales;
+  void* c;
+  int32_t n;
+  int32_t k;
+} megamoe_gemm_fp8_args;
+
+int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gemm_fp8_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
-// GEMM1 of the expert MLP with SwiGLU fused into the epilogue (same kernel, same plan arguments).
+// Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.
+// ---------------------------------------------------------------------------------------------
+#define MEGAMOE_ACTIVATION_SWIGLU 0  // act = silu(g) = g / (1 + exp(-g))
+
+// ---------------------------------------------------------------------------------------------
+// GEMM1 of the expert MLP with the gated activation fused into the epilogue.
 // For every block b < *num_blocks with local expert e = block_expert[b] and its 128 rows:
 //   g = A · w13[e][0 : I]ᵀ,  u = A · w13[e][I : 2I]ᵀ   (fp32 accumulation)
-//   H = silu(g) ⊙ u,  silu(g) = g / (1 + exp(-g)) in fp32, rounded once to bf16
+//   H = act(g) ⊙ u in fp32, rounded once to bf16
 // A [max_blocks * 128, hidden] bf16; w13 [E_local, 2 * intermediate, hidden] bf16 (rows [0, I) =
 // gate, [I, 2I) = up: the gate_up_proj layout); H [max_blocks * 128, intermediate] bf16.
 // z: null, or [max_blocks * 128, 2 * intermediate] bf16 that also receives g | u rounded to bf16
 // (the backward's z_pool, kept instead of recomputed). intermediate and hidden multiples of 128.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_swiglu_bf16(const void* a, const void* w13, void* h, void* z, const int32_t* block_expert,
-                                     const int32_t* num_blocks, int64_t max_blocks, int32_t intermediate,
-                                     int32_t hidden, int32_t num_local_experts, void* stream);
+typedef struct {
+  const void* a;
+  const void* w13;
+  void* h;
+  void* z;  // may be null
+  int32_t intermediate;
+  int32_t hidden;
+  int32_t activation;  // MEGAMOE_ACTIVATION_*
+} megamoe_gated_gemm_args;
+
+int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan, const megamoe_gated_gemm_args* args,
+                                    void* stream);
 
 // ---------------------------------------------------------------------------------------------
-// GEMM2 of the expert MLP with the rows scattered to their combine slots.
-// For every block b < *num_blocks with local expert e = block_expert[b], each pool row r of it:
-//   out_rows[slot_to_route[r], :] = H[r, :] · w2[e]ᵀ      (fp32 accumulation, one bf16 rounding)
-// H [max_blocks * 128, K] bf16; w2 [E_local, N, K] bf16 (down_proj layout: N = hidden,
-// K = intermediate); out_rows [num_out_rows, N] bf16 (row t * top_k + k). Rows with
-// slot_to_route -1 (padding) or >= num_out_rows are not written; nor is any row no pool row maps
-// to (masked or non-local routes keep their contents). N and K must be multiples of 128.
+// A grouped GEMM whose rows are scattered: for every block b < *num_blocks with local expert
+// e = block_expert[b], each pool row r of it:
+//   out_rows[row_of_slot[r], :] = A[r, :] · B[e]       (fp32 accumulation, one bf16 rounding)
+// with B[e] = b[e]ᵀ for b [E_local, N, K] (MEGAMOE_B_N_BY_K: GEMM2, b = w2, K = intermediate) or
+// B[e] = b[e] for b [E_local, K, N] (MEGAMOE_B_K_BY_N: the backward's dx per route, b = w13,
+// K = 2I, N = H). A [max_blocks * 128, K] bf16; out_rows [num_out_rows, N] bf16 (row t * top_k + k).
+// row_of_slot: null for the plan's slot_to_route, or any [max_blocks * 128] map. Rows mapped to -1
+// (padding) or >= num_out_rows are not written; nor is any row no pool row maps to (masked or
+// non-local routes keep their contents). N and K must be multiples of 128.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_scatter_bf16(const void* h, const void* w2, void* out_rows, const int32_t* slot_to_route,
-                                      const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks,
-                                      int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
+#define MEGAMOE_B_N_BY_K 0
+#define MEGAMOE_B_K_BY_N 1
+
+typedef struct {
+  const void* a;
+  const void* b;
+  void* out_rows;
+  const int32_t* row_of_slot;  // may be null: the plan's slot_to_route
+  int64_t num_out_rows;
+  int32_t n;
+  int32_t k;
+  int32_t b_layout;  // MEGAMOE_B_N_BY_K or MEGAMOE_B_K_BY_N
+} megamoe_scatter_gemm_args;
+
+int megamoe_grouped_gemm_scatter_bf16(const megamoe_routing_plan* plan, const megamoe_scatter_gemm_args* args,
                                       void* stream);
 
 // ---------------------------------------------------------------------------------------------
-// The same with B stored [E_local, K, N] (N contiguous): the backward's dx per route,
-//   out_rows[slot_to_route[r], :] = A[r, :] · B[e]      (B[e] read as the K x N matrix it is)
-// e.g. dx_route = dz · w13[e] with A = dz [max_blocks * 128, 2I], B = w13 [E_local, 2I, H],
-// k = 2I, n = H. Same plan arguments, guards and untouched rows as megamoe_grouped_gemm_scatter_bf16.
-// ---------------------------------------------------------------------------------------------
-int megamoe_grouped_gemm_scatter_mn_bf16(const void* a, const void* b, void* out_rows, const int32_t* slot_to_route,
-                                         const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks,
-                                         int32_t n, int32_t k, int32_t num_local_experts, int64_t num_out_rows,
-                                         void* stream);
-
-// ---------------------------------------------------------------------------------------------
-// Backward of the expert MLP, step 1: dh = dy_pool · w2[e] with the SwiGLU backward in the epilogue.
-// For every block b < *num_blocks with local expert e = block_expert[b], each of its 128 rows r,
-// p = p_pool[r] (the route's top-k weight, 0 for padding rows) and i in [0, I):
+// Backward of the expert MLP, step 1: dh = dy_pool · w2[e] with the gated activation's backward in
+// the epilogue. For every block b < *num_blocks with local expert e = block_expert[b], each of its
+// 128 rows r, p = p_pool[r] (the route's top-k weight, 0 for padding rows) and i in [0, I):
 //   dh = dy_pool[r] · w2[e]                  (w2 [E_local, H, I] as stored: a K = H x N = I matrix)
 //   g, u = z_pool[r, i], z_pool[r, I + i]    (the forward's gate | up pre-activations, bf16)
-//   h = silu(g) u;  dh_w = p dh;  dg = dh_w u σ(g) (1 + g (1 − σ(g)));  du = dh_w silu(g)
+//   h = act(g) u;  dh_w = p dh;  dg = dh_w u act'(g);  du = dh_w act(g)
 //   dz[r, i] = dg, dz[r, I + i] = du, hp[r, i] = p h      (bf16, fp32 math, one rounding each)
 //   dp_partial[r, t] = Σ h dh over i in [128 t, 128 t + 128)   (fp32; t < MEGAMOE_DP_PARTIAL_COLS(I))
 // Rows with p == 0 get dz = hp = 0 exactly. dp[route] = Σ_t dp_partial[slot, t]: megamoe_dp_reduce.
@@ -218,34 +281,59 @@ int megamoe_grouped_gemm_scatter_mn_bf16(const void* a, const void* b, void* out
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_DP_PARTIAL_COLS(intermediate) ((intermediate) / 128)
 
-int megamoe_grouped_gemm_swiglu_backward_bf16(const void* dy_pool, const void* w2, const void* z_pool,
-                                              const float* p_pool, void* dz, void* hp, float* dp_partial,
-                                              const int32_t* block_expert, const int32_t* num_blocks,
-                                              int64_t max_blocks, int32_t intermediate, int32_t hidden,
-                                              int32_t num_local_experts, void* stream);
+typedef struct {
+  const void* dy_pool;
+  const void* w2;
+  const void* z_pool;
+  const float* p_pool;
+  void* dz;
+  void* hp;
+  float* dp_partial;
+  int32_t intermediate;
+  int32_t hidden;
+  int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward
+} megamoe_gated_backward_args;
 
-// dp[route] = Σ_t dp_partial[route_to_slot[route], t], t ascending over
+int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
+                                             const megamoe_gated_backward_args* args, void* stream);
+
+// dp[route] = Σ_t dp_partial[route_to_slot[route], t] for the plan's T * K routes, t ascending over
 // MEGAMOE_DP_PARTIAL_COLS(intermediate) columns, fp32 (deterministic). Routes with slot -1 or a slot
-// outside [0, max_blocks * 128) get 0. dp [num_routes] fp32 (the d(topk_weights) of the layer).
-int megamoe_dp_reduce(const float* dp_partial, const int32_t* route_to_slot, float* dp, int64_t num_routes,
-                      int32_t intermediate, int64_t max_blocks, void* stream);
+// outside the pool get 0. dp [T * K] fp32 (the d(topk_weights) of the layer).
+typedef struct {
+  const float* dp_partial;
+  float* dp;
+  int32_t intermediate;
+} megamoe_dp_reduce_args;
+
+int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Weight gradients, K-grouped over each expert's routed pool rows: from expert_offsets[e],
 // expert_counts[e] rows rounded up to a multiple of 64 (never past expert_offsets[e + 1]):
 //   out[e] (+)= a_pool[rows of e]ᵀ · b_pool[rows of e]          out[e]: [m, n], fp32 accumulation
 // a_pool [max_blocks * 128, m], b_pool [max_blocks * 128, n] bf16 (token-major, as the pool holds
-// them); out [E_local, m, n], bf16 (out_fp32 = 0) or fp32 (out_fp32 = 1); accumulate = 1 (fp32 only)
-// adds into out instead of overwriting it. dw2 = (a = dy_pool, b = hp = p·h; m = H, n = I) has
-// w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows inside the last
-// 64-row k-block must be zero in a or b and finite in both (dispatch and the dh epilogue write zeros
-// there); the padding past it is never read. An expert with no rows gets zeros (accumulate: out
-// unchanged). expert_offsets [E_local + 1] and expert_counts [E_local] are the routing plan's (read
-// on the device, clamped to the pool; offsets multiples of 128). m and n multiples of 128; 16-byte aligned.
+// them); out [E_local, m, n] in the format `output` names. dw2 = (a = dy_pool, b = hp = p·h; m = H,
+// n = I) has w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows inside
+// the last 64-row k-block must be zero in a or b and finite in both (dispatch and the dh epilogue
+// write zeros there); the padding past it is never read. An expert with no rows gets zeros
+// (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 128; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-int megamoe_grouped_weight_grad_bf16(const void* a_pool, const void* b_pool, void* out, const int32_t* expert_offsets,
-                                     const int32_t* expert_counts, int64_t max_blocks, int32_t num_local_experts,
-                                     int32_t m, int32_t n, int32_t out_fp32, int32_t accumulate, void* stream);
+#define MEGAMOE_GRAD_BF16 0      // out is bf16, overwritten
+#define MEGAMOE_GRAD_FP32 1      // out is fp32, overwritten
+#define MEGAMOE_GRAD_FP32_ADD 2  // out is fp32, out += gradient (a main_grad)
+
+typedef struct {
+  const void* a_pool;
+  const void* b_pool;
+  void* out;
+  int32_t m;
+  int32_t n;
+  int32_t output;  // MEGAMOE_GRAD_*
+} megamoe_weight_grad_args;
+
+int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan, const megamoe_weight_grad_args* args,
+                                     void* stream);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,11 @@
 // dp reduce: dp[route] = Σ_t dp_partial[slot, t] over the dh epilogue's per-n-tile partial sums
-// (epilogue_swiglu_backward.cuh), t ascending, fp32. Deterministic, no atomics. Routes without a
+// (epilogue_gated_backward.cuh), t ascending, fp32. Deterministic, no atomics. Routes without a
 // slot (masked, non-local) or with a slot outside the pool get 0.
 #include <algorithm>
 #include <string>
 
 #include "common/status.h"
+#include "routing/routing.h"
 
 namespace megamoe {
 namespace {
@@ -29,27 +30,29 @@ dp_reduce_routes(const float* __restrict__ dp_partial, const int32_t* __restrict
 }  // namespace
 }  // namespace megamoe
 
-extern "C" int megamoe_dp_reduce(const float* dp_partial, const int32_t* route_to_slot, float* dp,
-                                 int64_t num_routes, int32_t intermediate, int64_t max_blocks, void* stream) {
+extern "C" int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_args* args,
+                                 void* stream) {
   using namespace megamoe;
   const std::string fn = "megamoe_dp_reduce: ";
-  if (num_routes < 0) return invalid_argument(fn + "num_routes must be >= 0, got " + std::to_string(num_routes));
-  if (intermediate <= 0 || intermediate % 128 != 0) {
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_dp_reduce_args& a = *args;
+  if (a.intermediate <= 0 || a.intermediate % 128 != 0) {
     return invalid_argument(fn + "intermediate must be a positive multiple of 128, got " +
-                            std::to_string(intermediate));
+                            std::to_string(a.intermediate));
   }
-  if (max_blocks < 0) return invalid_argument(fn + "max_blocks must be >= 0, got " + std::to_string(max_blocks));
+  const int64_t num_routes = routing::num_routes(plan->shape);
   if (num_routes == 0) return MEGAMOE_OK;
-  if (dp_partial == nullptr || route_to_slot == nullptr || dp == nullptr) {
-    return invalid_argument(fn + "dp_partial, route_to_slot and dp must be non-null");
+  if (a.dp_partial == nullptr || plan->route_to_slot == nullptr || a.dp == nullptr) {
+    return invalid_argument(fn + "dp_partial, dp and the plan's route_to_slot must be non-null");
   }
   int device = 0, sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (num_routes + kThreadsPerCta - 1) / kThreadsPerCta));
   dp_reduce_routes<<<grid, kThreadsPerCta, 0, static_cast<cudaStream_t>(stream)>>>(
-      dp_partial, route_to_slot, dp, num_routes, MEGAMOE_DP_PARTIAL_COLS(intermediate),
-      max_blocks * MEGAMOE_BLOCK_M);
+      a.dp_partial, plan->route_to_slot, a.dp, num_routes, MEGAMOE_DP_PARTIAL_COLS(a.intermediate),
+      routing::pool_rows(*plan));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

@@ -19,22 +19,27 @@ combine_rows(const Bf16x8* __restrict__ routed, const float* __restrict__ topk_w
 }  // namespace
 }  // namespace megamoe
 
-extern "C" int megamoe_combine_bf16(const void* routed, const float* topk_weights,
-                                    const int32_t* route_to_slot, void* y, int64_t num_tokens,
-                                    int32_t top_k, int32_t hidden, void* stream_handle) {
+extern "C" int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine_args* args,
+                                    void* stream_handle) {
   using namespace megamoe;
-  if (num_tokens < 0 || top_k < 1) return invalid_argument("combine: need num_tokens >= 0 and top_k >= 1");
+  const std::string fn = "megamoe_combine_bf16: ";
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_combine_args& a = *args;
+  const int64_t num_tokens = plan->shape.num_tokens;
   if (num_tokens == 0) return MEGAMOE_OK;
-  if (!routed || !topk_weights || !route_to_slot || !y) return invalid_argument("combine: null pointer");
-  if (hidden <= 0 || hidden % kBf16PerVec) {
-    return invalid_argument("combine: hidden size " + std::to_string(hidden) + " must be a positive multiple of 8");
+  if (!a.routed || !a.topk_weights || !plan->route_to_slot || !a.y) {
+    return invalid_argument(fn + "routed, topk_weights, y and the plan's route_to_slot must be non-null");
   }
-  if (!aligned16(routed) || !aligned16(y)) return invalid_argument("combine: routed and y must be 16-byte aligned");
+  if (a.hidden <= 0 || a.hidden % kBf16PerVec) {
+    return invalid_argument(fn + "hidden size " + std::to_string(a.hidden) + " must be a positive multiple of 8");
+  }
+  if (!aligned16(a.routed) || !aligned16(a.y)) return invalid_argument(fn + "routed and y must be 16-byte aligned");
   int grid = 0;
-  if (int s = warp_grid(num_tokens, &grid); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid(num_tokens, &grid));
   combine_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream_handle)>>>(
-      static_cast<const Bf16x8*>(routed), topk_weights, route_to_slot, static_cast<Bf16x8*>(y),
-      num_tokens, top_k, hidden / kBf16PerVec);
+      static_cast<const Bf16x8*>(a.routed), a.topk_weights, plan->route_to_slot, static_cast<Bf16x8*>(a.y),
+      num_tokens, plan->shape.top_k, a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

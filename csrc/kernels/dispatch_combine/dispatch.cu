@@ -92,40 +92,39 @@ void launch(const DispatchArgs& a, int grid, cudaStream_t stream) {
 }  // namespace
 }  // namespace megamoe
 
-extern "C" int megamoe_dispatch_bf16(const void* x, void* pool, const int32_t* route_to_slot,
-                                     const int32_t* slot_to_route, const int32_t* num_blocks,
-                                     int64_t num_tokens, int64_t max_blocks, int32_t top_k, int32_t hidden,
-                                     const float* weights, float* weights_pool, void* stream_handle) {
+extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const megamoe_dispatch_args* args,
+                                     void* stream_handle) {
   using namespace megamoe;
-  if (num_tokens < 0 || top_k < 1 || max_blocks < 0) {
-    return invalid_argument("dispatch: need num_tokens >= 0, top_k >= 1, max_blocks >= 0");
-  }
-  if (hidden <= 0 || hidden % kBf16PerVec || hidden > 32 * kMaxVecsPerLane * kBf16PerVec) {
-    return invalid_argument("dispatch: hidden size " + std::to_string(hidden) +
+  const std::string fn = "megamoe_dispatch_bf16: ";
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_dispatch_args& a = *args;
+  if (a.hidden <= 0 || a.hidden % kBf16PerVec || a.hidden > 32 * kMaxVecsPerLane * kBf16PerVec) {
+    return invalid_argument(fn + "hidden size " + std::to_string(a.hidden) +
                             " must be a positive multiple of 8 and at most 4096");
   }
-  const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
-  if (max_rows == 0) return MEGAMOE_OK;
-  if (!x || !pool || !route_to_slot || !slot_to_route || !num_blocks) {
-    return invalid_argument("dispatch: null pointer");
+  const int64_t num_tokens = plan->shape.num_tokens;
+  const int64_t max_rows = routing::pool_rows(*plan);
+  if (!a.x || !a.pool || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
+    return invalid_argument(fn + "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null");
   }
-  if ((weights == nullptr) != (weights_pool == nullptr)) {
-    return invalid_argument("dispatch: weights and weights_pool go together (both null, or both set)");
+  if ((a.weights == nullptr) != (a.weights_pool == nullptr)) {
+    return invalid_argument(fn + "weights and weights_pool go together (both null, or both set)");
   }
-  if (!aligned16(x) || !aligned16(pool)) return invalid_argument("dispatch: x and pool must be 16-byte aligned");
+  if (!aligned16(a.x) || !aligned16(a.pool)) return invalid_argument(fn + "x and pool must be 16-byte aligned");
   int grid = 0;  // a warp per token for the copies, per 32 pool rows for the padding
-  if (int s = warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid); s != MEGAMOE_OK) return s;
-  const DispatchArgs args{static_cast<const Bf16x8*>(x), static_cast<Bf16x8*>(pool), route_to_slot,
-                          slot_to_route, num_blocks, weights, weights_pool, num_tokens, max_rows, top_k,
-                          hidden / kBf16PerVec};
+  MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
+  const DispatchArgs launch_args{static_cast<const Bf16x8*>(a.x), static_cast<Bf16x8*>(a.pool), plan->route_to_slot,
+                                 plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, num_tokens,
+                                 max_rows, plan->shape.top_k, a.hidden / kBf16PerVec};
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  const int vecs_per_lane = (args.vecs_per_row + 31) / 32;
+  const int vecs_per_lane = (launch_args.vecs_per_row + 31) / 32;
   if (vecs_per_lane <= 4) {
-    launch<4>(args, grid, stream);
+    launch<4>(launch_args, grid, stream);
   } else if (vecs_per_lane <= 8) {
-    launch<8>(args, grid, stream);
+    launch<8>(launch_args, grid, stream);
   } else {
-    launch<kMaxVecsPerLane>(args, grid, stream);
+    launch<kMaxVecsPerLane>(launch_args, grid, stream);
   }
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;

@@ -87,83 +87,89 @@ int check_world(const std::string& fn, int32_t world, int32_t top_k, int32_t hid
 }  // namespace
 }  // namespace megamoe
 
-extern "C" int megamoe_dispatch_peers_bf16(const void* const* x_peers, const int64_t* route_offsets, int32_t world,
-                                           void* pool, const int32_t* slot_to_route, const int32_t* num_blocks,
-                                           int64_t max_blocks, int32_t top_k, int32_t hidden,
-                                           const float* const* weights_peers, float* weights_pool, void* stream) {
+extern "C" int megamoe_dispatch_peers_bf16(const megamoe_routing_plan* plan, const megamoe_dispatch_peers_args* args,
+                                           void* stream) {
   using namespace megamoe;
   const std::string fn = "megamoe_dispatch_peers_bf16: ";
-  if (int s = check_world(fn, world, top_k, hidden); s != MEGAMOE_OK) return s;
-  if (max_blocks < 0) return invalid_argument(fn + "max_blocks must be >= 0");
-  if (x_peers == nullptr || route_offsets == nullptr || pool == nullptr || slot_to_route == nullptr ||
-      num_blocks == nullptr) {
-    return invalid_argument(fn + "x_peers, route_offsets, pool, slot_to_route and num_blocks must be non-null");
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_dispatch_peers_args& a = *args;
+  const int32_t top_k = plan->shape.top_k;
+  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, top_k, a.hidden));
+  if (a.x_peers == nullptr || a.route_offsets == nullptr || a.pool == nullptr || plan->slot_to_route == nullptr ||
+      plan->num_blocks == nullptr) {
+    return invalid_argument(fn + "x_peers, route_offsets, pool and the plan's slot_to_route and num_blocks must be "
+                                 "non-null");
   }
   DispatchPeers peers{};
-  peers.world = world;
-  for (int r = 0; r <= world; ++r) {
-    peers.route_offsets[r] = route_offsets[r];
-    if (r > 0 && (route_offsets[r] < route_offsets[r - 1] || (route_offsets[r] - route_offsets[r - 1]) % top_k)) {
+  peers.world = a.world;
+  for (int r = 0; r <= a.world; ++r) {
+    peers.route_offsets[r] = a.route_offsets[r];
+    if (r > 0 &&
+        (a.route_offsets[r] < a.route_offsets[r - 1] || (a.route_offsets[r] - a.route_offsets[r - 1]) % top_k)) {
       return invalid_argument(fn + "route_offsets must ascend by multiples of top_k (each rank's T * K routes)");
     }
   }
-  if (route_offsets[0] != 0) return invalid_argument(fn + "route_offsets[0] must be 0");
-  if ((weights_peers == nullptr) != (weights_pool == nullptr)) {
+  if (a.route_offsets[0] != 0) return invalid_argument(fn + "route_offsets[0] must be 0");
+  if (a.route_offsets[a.world] != int64_t(plan->shape.num_tokens) * top_k) {
+    return invalid_argument(fn + "route_offsets[world] must be the plan's T * K (the plan covers every rank's routes)");
+  }
+  if ((a.weights_peers == nullptr) != (a.weights_pool == nullptr)) {
     return invalid_argument(fn + "weights_peers and weights_pool go together (both null, or both set)");
   }
-  for (int r = 0; r < world; ++r) {
-    const bool has_tokens = route_offsets[r + 1] > route_offsets[r];
-    if (weights_peers != nullptr) {
-      if (weights_peers[r] == nullptr && has_tokens) {
+  for (int r = 0; r < a.world; ++r) {
+    const bool has_tokens = a.route_offsets[r + 1] > a.route_offsets[r];
+    if (a.weights_peers != nullptr) {
+      if (a.weights_peers[r] == nullptr && has_tokens) {
         return invalid_argument(fn + "weights_peers[" + std::to_string(r) + "] must be non-null when that rank "
                                      "has tokens");
       }
-      peers.weights[r] = weights_peers[r];
+      peers.weights[r] = a.weights_peers[r];
     }
-    if (!aligned16(x_peers[r]) || (x_peers[r] == nullptr && has_tokens)) {
+    if (!aligned16(a.x_peers[r]) || (a.x_peers[r] == nullptr && has_tokens)) {
       return invalid_argument(fn + "x_peers[" + std::to_string(r) + "] must be 16-byte aligned and non-null "
                                    "when that rank has tokens");
     }
-    peers.x[r] = static_cast<const Bf16x8*>(x_peers[r]);
+    peers.x[r] = static_cast<const Bf16x8*>(a.x_peers[r]);
   }
-  if (!aligned16(pool)) return invalid_argument(fn + "pool must be 16-byte aligned");
-  const int64_t max_rows = max_blocks * MEGAMOE_BLOCK_M;
-  if (max_rows == 0) return MEGAMOE_OK;
+  if (!aligned16(a.pool)) return invalid_argument(fn + "pool must be 16-byte aligned");
+  const int64_t max_rows = routing::pool_rows(*plan);
   int grid = 0;
-  if (int s = warp_grid(max_rows, &grid); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid(max_rows, &grid));
   dispatch_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      peers, static_cast<Bf16x8*>(pool), weights_pool, slot_to_route, num_blocks, max_rows, top_k,
-      hidden / kBf16PerVec);
+      peers, static_cast<Bf16x8*>(a.pool), a.weights_pool, plan->slot_to_route, plan->num_blocks, max_rows, top_k,
+      a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
 
-extern "C" int megamoe_combine_peers_bf16(const void* const* out_peers, const int32_t* const* route_to_slot_peers,
-                                          int32_t world, const float* topk_weights, int64_t route_offset, void* y,
-                                          int64_t num_tokens, int32_t top_k, int32_t hidden, void* stream) {
+extern "C" int megamoe_combine_peers_bf16(const megamoe_combine_peers_args* args, void* stream) {
   using namespace megamoe;
   const std::string fn = "megamoe_combine_peers_bf16: ";
-  if (int s = check_world(fn, world, top_k, hidden); s != MEGAMOE_OK) return s;
-  if (num_tokens < 0 || route_offset < 0) return invalid_argument(fn + "num_tokens and route_offset must be >= 0");
-  if (num_tokens == 0) return MEGAMOE_OK;
-  if (out_peers == nullptr || route_to_slot_peers == nullptr || topk_weights == nullptr || y == nullptr) {
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_combine_peers_args& a = *args;
+  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, a.top_k, a.hidden));
+  if (a.num_tokens < 0 || a.route_offset < 0) return invalid_argument(fn + "num_tokens and route_offset must be >= 0");
+  if (a.num_tokens == 0) return MEGAMOE_OK;
+  if (a.out_peers == nullptr || a.route_to_slot_peers == nullptr || a.topk_weights == nullptr || a.y == nullptr) {
     return invalid_argument(fn + "out_peers, route_to_slot_peers, topk_weights and y must be non-null");
   }
   CombinePeers peers{};
-  peers.world = world;
-  for (int d = 0; d < world; ++d) {
-    if (out_peers[d] == nullptr || route_to_slot_peers[d] == nullptr || !aligned16(out_peers[d])) {
+  peers.world = a.world;
+  for (int d = 0; d < a.world; ++d) {
+    if (a.out_peers[d] == nullptr || a.route_to_slot_peers[d] == nullptr || !aligned16(a.out_peers[d])) {
       return invalid_argument(fn + "out_peers[" + std::to_string(d) + "] and route_to_slot_peers[" +
                               std::to_string(d) + "] must be non-null, out_peers 16-byte aligned");
     }
-    peers.out[d] = static_cast<const Bf16x8*>(out_peers[d]);
-    peers.route_to_slot[d] = route_to_slot_peers[d];
+    peers.out[d] = static_cast<const Bf16x8*>(a.out_peers[d]);
+    peers.route_to_slot[d] = a.route_to_slot_peers[d];
   }
-  if (!aligned16(y)) return invalid_argument(fn + "y must be 16-byte aligned");
+  if (!aligned16(a.y)) return invalid_argument(fn + "y must be 16-byte aligned");
   int grid = 0;
-  if (int s = warp_grid(num_tokens, &grid); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid(a.num_tokens, &grid));
   combine_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      peers, topk_weights, route_offset, static_cast<Bf16x8*>(y), num_tokens, top_k, hidden / kBf16PerVec);
+      peers, a.topk_weights, a.route_offset, static_cast<Bf16x8*>(a.y), a.num_tokens, a.top_k,
+      a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

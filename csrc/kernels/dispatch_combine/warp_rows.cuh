@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "common/vec16.cuh"
+#include "routing/routing.h"
 
 namespace megamoe {
 

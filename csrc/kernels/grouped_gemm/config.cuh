@@ -70,7 +70,7 @@ struct StageLayout {
 };
 
 // BBoxes (K-major B only): how many TMA boxes fill one stage's B tile. 1 = BLOCK_N consecutive rows of B; 2 = two
-// boxes of BLOCK_N / 2 rows from different places of B, stacked in one tile (SwiGLU: the gate rows
+// boxes of BLOCK_N / 2 rows from different places of B, stacked in one tile (the gated GEMM1: the gate rows
 // and the matching up rows), armed on the same full barrier with the same total byte count.
 // An MN-major B always spans BLOCK_N consecutive columns (BLOCK_N / 64 boxes).
 template <int BlockN, int BBoxes = 1, Major AMajor = Major::K, Major BMajor = Major::K>

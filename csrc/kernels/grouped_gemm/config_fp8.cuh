@@ -15,6 +15,8 @@
 #include <cuda.h>
 
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/problem.h"
+#include "kernels/grouped_gemm/tensor_map.h"
 
 namespace megamoe::grouped_gemm {
 
@@ -38,6 +40,21 @@ struct Fp8Config : StageLayout<(kBlockM + BlockN) * kFp8BlockK + kBlockM * 4, Bl
     const float* b_scales;   // fp32 [E_local, N / 128, K / 128]
     int n_blocks;            // N / 128
   };
+  struct MainloopArguments {
+    const float* a_scales;
+    const float* b_scales;
+  };
+
+  static int to_params(const PoolProblem& p, const MainloopArguments& args, MainloopParams* params) {
+    MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.a_scales, "a_scales"}}));
+    if (args.b_scales == nullptr) return invalid_argument(p.fn + "b_scales must be non-null");
+    *params = MainloopParams{};
+    params->b_scales = args.b_scales;
+    params->n_blocks = p.n / 128;
+    return encode_tensor_map(&params->a_scales, args.a_scales, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                             uint64_t(p.k / kFp8BlockK), p.rows, kBlockM, 1, CU_TENSOR_MAP_SWIZZLE_NONE, p.fn,
+                             "a_scales");
+  }
 };
 
 }  // namespace megamoe::grouped_gemm

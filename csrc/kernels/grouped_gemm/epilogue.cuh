@@ -13,12 +13,14 @@
 // 16 x 16 block of groups j, j+1: matrices (rows 0-7, j), (rows 8-15, j), (rows 0-7, j+1),
 // (rows 8-15, j+1); lane l supplies the address of row l % 8 of matrix l / 8.
 //
-// Epilogue policies (this file's PlainEpilogue, SwigluEpilogue, ScatterEpilogue) give the kernel:
+// Epilogue policies (this file's PlainEpilogue, epilogue_gated.cuh, epilogue_scatter.cuh, ...) give
+// the host: Arguments (the caller's pointers), can_implement(problem, args) and to_params(problem,
+// args, &params), and kTileN (columns of the problem's N per tile); and the kernel:
 //   Cfg, Params (a kernel parameter), prefetch(params), prepare(params, tile, warpgroup) -> Rows
 //   (per-tile values loaded before the main loop, to hide their latency), then either store(acc, ...)
 //   or, with kDeferred, retire(...) -> Pending and store(pending, ...) (below); and drain(). The
 //   tile is the scheduler's (PoolTile: block, n_tile; ExpertTile: expert, m_tile, n_tile).
-// An epilogue that reads a tile-shaped input (epilogue_swiglu_backward.cuh: z) also declares
+// An epilogue that reads a tile-shaped input (epilogue_gated_backward.cuh: z) also declares
 // kRingChunks > 0 and load_ring(params, tile, smem, state): the producer loads that many stages of
 // it through the operand ring after the tile's k-blocks, and store(..., state) consumes them.
 #pragma once
@@ -34,7 +36,9 @@
 #include <type_traits>
 
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/problem.h"
 #include "kernels/grouped_gemm/scheduler.cuh"
+#include "kernels/grouped_gemm/tensor_map.h"
 
 namespace megamoe::grouped_gemm {
 
@@ -150,9 +154,20 @@ template <int BlockN, class C = Config<BlockN>>
 struct PlainEpilogue {
   using Cfg = C;
   static constexpr bool kDeferred = true;
+  static constexpr int kTileN = BlockN;
+  struct Arguments {
+    void* c;  // [pool rows, N] bf16
+  };
   struct Params {
     CUtensorMap c;
   };
+
+  static int can_implement(const PoolProblem& p, const Arguments& args) {
+    return check_pointers(p.fn, {{args.c, "c"}});
+  }
+  static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
+    return make_tensor_map(&params->c, args.c, p.rows, uint64_t(p.n), kWarpRows, p.fn, "c");
+  }
   struct Rows {};
   struct Pending {
     uint32_t packed[Cfg::kAccumulators / 2];

@@ -40,6 +40,12 @@ struct ScatterEpilogue {
   static constexpr int kRowsPerPass = 32 / kPieces;         // 4 per warp
   static constexpr int kPasses = kWarpRows / kRowsPerPass;  // 4
   static_assert(kChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
+  static constexpr int kTileN = BlockN;
+  struct Arguments {
+    void* out_rows;               // [num_out_rows, N] bf16
+    const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none
+    int64_t num_out_rows;
+  };
   struct Params {
     __nv_bfloat16* out;            // [num_out_rows, ld]
     const int32_t* slot_to_route;  // [max_blocks * 128]
@@ -49,6 +55,19 @@ struct ScatterEpilogue {
   struct Rows {
     int32_t route[kPasses];  // output row of each pass's row, or -1: not written
   };
+
+  // TMA serves the operands; the epilogue's 16-byte row stores need an aligned out_rows.
+  static int can_implement(const PoolProblem& p, const Arguments& args) {
+    if (args.row_of_slot == nullptr) return invalid_argument(p.fn + "row_of_slot must be non-null");
+    if (args.num_out_rows < 0) {
+      return invalid_argument(p.fn + "num_out_rows must be >= 0, got " + std::to_string(args.num_out_rows));
+    }
+    return check_pointers(p.fn, {{args.out_rows, "out_rows"}});
+  }
+  static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
+    *params = Params{static_cast<__nv_bfloat16*>(args.out_rows), args.row_of_slot, args.num_out_rows, p.n};
+    return MEGAMOE_OK;
+  }
 
   // This thread's row of pass 0 within the warpgroup's 64: its warp's 16 rows, 4 per pass.
   __device__ static int first_row() {

@@ -23,7 +23,32 @@ struct WeightGradEpilogue {
     int m, n;
     int accumulate;  // fp32 only: out += tile
   };
+  struct Arguments {
+    void* out;       // [E_local, m, n], bf16 or fp32
+    int accumulate;  // fp32 only: out += the gradient
+  };
   struct Rows {};
+
+  // fn prefixes the messages; out [E_local, m, n].
+  static int can_implement(const std::string& fn, const Arguments& args) {
+    if (args.accumulate && !Fp32) {
+      return invalid_argument(fn + "accumulation into a bf16 gradient is not supported (use MEGAMOE_GRAD_FP32_ADD)");
+    }
+    return check_pointers(fn, {{args.out, "out"}});
+  }
+  static int to_params(const std::string& fn, const megamoe_routing_plan& plan, int m, int n, const Arguments& args,
+                       Params* params) {
+    *params = Params{};
+    if constexpr (!Fp32) {
+      MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->c, args.out, uint64_t(plan.shape.num_local_experts) * m,
+                                              uint64_t(n), kWarpRows, fn, "out"));
+    }
+    params->out = static_cast<float*>(args.out);
+    params->m = m;
+    params->n = n;
+    params->accumulate = args.accumulate;
+    return MEGAMOE_OK;
+  }
 
   __device__ static void prefetch(const Params& p) {
     if constexpr (!Fp32) cute::prefetch_tma_descriptor(&p.c);

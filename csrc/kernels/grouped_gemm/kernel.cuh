@@ -1,7 +1,7 @@
 // Persistent, warp-specialised grouped GEMM over a routing plan's expert-major pool (sm_90a), BF16
 // or block FP8 (the epilogue's Cfg: config.cuh, config_fp8.cuh), templated on its epilogue policy
-// (epilogue.cuh: plain store, epilogue_swiglu.cuh, epilogue_scatter.cuh,
-// epilogue_swiglu_backward.cuh, epilogue_weight_grad.cuh) and its scheduler policy (scheduler.cuh:
+// (epilogue.cuh: plain store, epilogue_gated.cuh, epilogue_scatter.cuh,
+// epilogue_gated_backward.cuh, epilogue_weight_grad.cuh) and its scheduler policy (scheduler.cuh:
 // pool blocks x n-tiles; scheduler_expert.cuh: K-grouped weight gradients).
 //
 // One CTA per SM, 384 threads:

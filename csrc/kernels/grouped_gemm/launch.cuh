@@ -1,110 +1,28 @@
-// Host side shared by the grouped GEMM entry points: TMA descriptors, argument checks, launch.
+// Host side shared by the grouped GEMM entry points: the operand maps and the launch of a kernel
+// put together from its policies (each policy builds its own parameters: to_params).
 #pragma once
 
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <limits>
 #include <string>
 
 #include "common/status.h"
 #include "kernels/grouped_gemm/kernel.cuh"
+#include "kernels/grouped_gemm/problem.h"
+#include "kernels/grouped_gemm/tensor_map.h"
 
 namespace megamoe::grouped_gemm {
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point: no link-time libcuda dependency.
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// 2-D row-major [rows, cols] matrix of element_bytes-sized elements, boxes of box_rows x box_cols.
-// `fn` ("megamoe_...: ", the API function) prefixes error messages.
-inline int encode_tensor_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, uint32_t element_bytes,
-                             uint64_t rows, uint64_t cols, uint32_t box_cols, uint32_t box_rows,
-                             CUtensorMapSwizzle swizzle, const std::string& fn, const char* what) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) {
-    cudaGetLastError();  // the failed lookup is reported here, not left for the caller's next check
-    return set_error(MEGAMOE_ERROR_CUDA, fn + "cuTensorMapEncodeTiled not available (driver too old for TMA?)");
-  }
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * element_bytes};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return set_error(MEGAMOE_ERROR_CUDA, fn + "cuTensorMapEncodeTiled(" + what + ") failed with CUresult " +
-                                             std::to_string(int(r)));
-  }
-  return MEGAMOE_OK;
-}
-
-// bf16 [rows, cols], boxes of box_rows x 64 columns (one 128-byte swizzle row).
-inline int make_tensor_map(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols, uint32_t box_rows,
-                           const std::string& fn, const char* what) {
-  return encode_tensor_map(map, ptr, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, cols, kBlockK, box_rows,
-                           CU_TENSOR_MAP_SWIZZLE_128B, fn, what);
-}
-
 // BLOCK_N 256 halves the L2 traffic per FLOP against 128 (A is re-read once per n-tile) and issues
-// the largest wgmma; 128 serves N that is not a multiple of 256. MEGAMOE_GROUPED_GEMM_BLOCK_N=128
-// forces the narrow tile, for timing comparisons.
-inline int choose_block_n(int32_t n) {
-  static const int forced = [] {
-    const char* env = std::getenv("MEGAMOE_GROUPED_GEMM_BLOCK_N");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
-  if (forced == 128) return 128;
-  return n % 256 == 0 ? 256 : 128;
-}
+// the largest wgmma; 128 serves N that is not a multiple of 256.
+constexpr bool wide_tiles(int32_t n) { return n % 256 == 0; }
 
-// Checks shared by every entry point: the plan pointers, the pool size, the expert count and the
-// GEMM's own N (columns of the B matrix per tile row range) and K. `fn` prefixes the message;
-// n_name / k_name are the caller's names for N and K.
-inline int validate_pool_gemm(const std::string& fn, const int32_t* block_expert, const int32_t* num_blocks,
-                              int64_t max_blocks, int32_t n, const char* n_name, int32_t k, const char* k_name,
-                              int32_t num_local_experts) {
-  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
-  if (block_expert == nullptr || num_blocks == nullptr) {
-    return invalid_argument(fn + "block_expert and num_blocks must be non-null (device pointers from the routing plan)");
-  }
-  if (n <= 0 || n % 128 != 0) {
-    return invalid_argument(fn + n_name + " must be a positive multiple of 128, got " + std::to_string(n));
-  }
-  if (k <= 0 || k % 128 != 0) {
-    return invalid_argument(fn + k_name + " must be a positive multiple of 128, got " + std::to_string(k));
-  }
-  if (num_local_experts < 1) {
-    return invalid_argument(fn + "num_local_experts must be >= 1, got " + std::to_string(num_local_experts));
-  }
-  if (max_blocks < 0) return invalid_argument(fn + "max_blocks must be >= 0, got " + std::to_string(max_blocks));
-  // TMA coordinates and the tile counter are 32-bit.
-  if (max_blocks * kBlockM > kIntMax || max_blocks * (n / 128) > kIntMax) {
-    return invalid_argument(fn + "max_blocks = " + std::to_string(max_blocks) + " exceeds the 32-bit row range");
-  }
-  return MEGAMOE_OK;
-}
-
-// One CTA per SM (fewer if there are fewer tiles); max_tiles bounds the scheduler's tile count.
+// One CTA per SM (fewer if there are fewer tiles).
 template <class Epi, class Sched>
 int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
-           const typename Sched::Params& sched, int64_t max_tiles, void* stream,
-           const typename Epi::Cfg::MainloopParams& mainloop = {}) {
+           const typename Sched::Params& sched, void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
   using Cfg = typename Epi::Cfg;
   auto kernel = grouped_gemm_kernel<Epi, Sched>;
   int device = 0, sms = 0;
@@ -112,19 +30,54 @@ int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Param
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  const int64_t max_tiles = Sched::max_tiles(sched);
   const int grid = int(max_tiles < sms ? max_tiles : sms);
   kernel<<<grid, kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(a, b, mainloop, epi, sched);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
 
-// The pool GEMMs: tiles = live blocks x n_tiles, K fixed.
+// A pool GEMM's operands: A = the pool [rows, K] (K-major); B = the experts' matrices, K-major
+// [E_local * rows_per_expert, K] or MN-major [E_local * K, N] (scheduler.cuh, BRows).
+struct PoolOperands {
+  const void* a;
+  const char* a_name;
+  const void* b;
+  const char* b_name;
+  BRows b_rows;
+};
+
+template <class Cfg>
+int make_operand_maps(const PoolProblem& p, const PoolOperands& o, CUtensorMap* map_a, CUtensorMap* map_b) {
+  MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{o.a, o.a_name}, {o.b, o.b_name}}));
+  const int64_t b_rows = int64_t(p.num_local_experts) * o.b_rows.rows_per_expert;
+  MEGAMOE_RETURN_IF_ERROR(check_row_range(p.fn, b_rows, (std::string("the rows of ") + o.b_name).c_str()));
+  if constexpr (Cfg::kFp8) {
+    MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
+    return make_fp8_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
+    if constexpr (Cfg::kBMajor == Major::K) {
+      return make_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
+    } else {  // 64 x 64 boxes (operand.cuh, MN-major)
+      return make_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.n), kBlockK, p.fn, o.b_name);
+    }
+  }
+}
+
+// A pool GEMM with epilogue policy Epi: whether the epilogue can run the problem, its parameters,
+// the operand maps and the pool scheduler's parameters, then the launch.
 template <class Epi>
-int launch_pool(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
-                const int32_t* block_expert, const int32_t* num_blocks, int64_t max_blocks, int n_tiles, BRows b_rows,
-                int32_t k, void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
-  const PoolScheduler::Params sched{block_expert, num_blocks, int(max_blocks), n_tiles, k / Epi::Cfg::kKBlock, b_rows};
-  return launch<Epi, PoolScheduler>(a, b, epi, sched, max_blocks * n_tiles, stream, mainloop);
+int run_pool_gemm(const PoolProblem& p, const PoolOperands& operands, const typename Epi::Arguments& args,
+                  void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
+  using Cfg = typename Epi::Cfg;
+  MEGAMOE_RETURN_IF_ERROR(Epi::can_implement(p, args));
+  typename Epi::Params epi;
+  MEGAMOE_RETURN_IF_ERROR(Epi::to_params(p, args, &epi));
+  CUtensorMap map_a, map_b;
+  MEGAMOE_RETURN_IF_ERROR(make_operand_maps<Cfg>(p, operands, &map_a, &map_b));
+  const auto sched = PoolScheduler::to_params<Cfg>(p, p.n / Epi::kTileN, operands.b_rows);
+  return launch<Epi, PoolScheduler>(map_a, map_b, epi, sched, stream, mainloop);
 }
 
 }  // namespace megamoe::grouped_gemm

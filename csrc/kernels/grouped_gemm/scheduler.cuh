@@ -9,7 +9,8 @@
 // The number of live blocks is read on the device, so the host never synchronises; the producer
 // and the math warpgroups each walk the same sequence independently.
 //
-// A scheduler policy gives the kernel: Params (a kernel parameter), a constructor from them,
+// A scheduler policy gives the host to_params(...) -> Params and the tile count the launch is sized
+// for (max_tiles), and the kernel: Params (a kernel parameter), a constructor from them,
 // valid() / advance(), kMayBeEmpty (whether a tile can have no k-blocks), tile() (what the math
 // warpgroups and the epilogue need: k_blocks and the tile's place) and origin<Cfg>(tile) (the
 // producer's TMA coordinates of the tile's first k-block).
@@ -19,6 +20,7 @@
 #include <cstdint>
 
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/problem.h"
 
 namespace megamoe::grouped_gemm {
 
@@ -57,6 +59,13 @@ struct PoolScheduler {
     int k_blocks;  // K / 64
     BRows b_rows;
   };
+
+  // n_tiles tiles per pool block; Cfg's k-block depth.
+  template <class Cfg>
+  static Params to_params(const PoolProblem& p, int n_tiles, BRows b_rows) {
+    return {p.plan->block_expert, p.plan->num_blocks, int(p.max_blocks), n_tiles, p.k / Cfg::kKBlock, b_rows};
+  }
+  static int64_t max_tiles(const Params& p) { return int64_t(p.max_blocks) * p.n_tiles; }
 
   const int32_t* block_expert;
   BRows b_rows;

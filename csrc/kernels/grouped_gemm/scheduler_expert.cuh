@@ -37,6 +37,14 @@ struct ExpertScheduler {
     int max_rows;
   };
 
+  // out[e] is [m, n], tiles 128 x BlockN.
+  template <int BlockN>
+  static Params to_params(const megamoe_routing_plan& plan, int m, int n) {
+    return {plan.expert_offsets, plan.expert_counts, plan.shape.num_local_experts, m / kBlockM, n / BlockN,
+            int(routing::pool_rows(plan))};
+  }
+  static int64_t max_tiles(const Params& p) { return int64_t(p.num_experts) * p.m_tiles * p.n_tiles; }
+
   const int32_t* expert_offsets;
   const int32_t* expert_counts;
   int m_tiles, n_tiles, max_rows;

@@ -1,4 +1,5 @@
-// GEMM1 epilogue: h = silu(g) * u from the fp32 accumulators, one rounding to bf16, TMA store.
+// GEMM1 epilogue: h = act(g) * u from the fp32 accumulators (Act: activation.cuh), one rounding to
+// bf16, TMA store.
 //
 // The B tile of n-tile t is 256 rows: gate rows [128 t, 128 t + 128) of the expert, then up rows
 // [I + 128 t, I + 128 t + 128) (two TMA boxes, Config<256, 2>). So fragment column c < 128 is gate
@@ -6,28 +7,51 @@
 // (epilogue.cuh) acc[4j + i] holds column 8j + 2(l%4) + (i%2) of row 16w + l/4 + 8(i/2); adding
 // 128 to the column adds 16 to j, i.e. 64 to the index, and keeps the row. Hence every thread holds
 // its gate values in acc[0, 64) and the matching up values in acc[64, 128), same position for same
-// (row, column): h for acc[x] is silu(acc[x]) * acc[x + 64], and acc[0, 64) is then exactly an
+// (row, column): h for acc[x] is act(acc[x]) * acc[x + 64], and acc[0, 64) is then exactly an
 // m64n128 fragment of the 128-column h tile, which the plain chunk store writes (deferred: below).
 //
-// KeepZ (training): the same halves, rounded to bf16 before SwiGLU, are also stored as z = gate | up
+// KeepZ (training): the same halves, rounded to bf16 before the activation, are also stored as z = gate | up
 // [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ.
 #pragma once
 
+#include "kernels/grouped_gemm/activation.cuh"
 #include "kernels/grouped_gemm/epilogue.cuh"
 
 namespace megamoe::grouped_gemm {
 
-template <bool KeepZ>
-struct SwigluEpilogue {
+// The problem's N is I (columns of h), its K the hidden size.
+template <class Act, bool KeepZ>
+struct GatedEpilogue {
   using Cfg = Config<256, 2>;
   static constexpr int kHCols = Cfg::kBlockN / 2;  // h columns per tile
+  static constexpr int kTileN = kHCols;
   static constexpr int kHalf = Cfg::kAccumulators / 2;
+  struct Arguments {
+    void* h;  // [pool rows, I] bf16
+    void* z;  // [pool rows, 2I] bf16 (KeepZ only)
+  };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
     CUtensorMap z;  // [max_blocks * 128, 2I], 16-row x 64-column boxes (KeepZ only)
     int intermediate;
   };
   struct Rows {};
+
+  // Box 0 of a stage's B tile = gate rows [128 t, +128), box 1 = up rows [I + 128 t, +128) of the
+  // expert's 2I rows of w13.
+  static BRows b_rows(const PoolProblem& p) { return {2 * p.n, p.n}; }
+
+  static int can_implement(const PoolProblem& p, const Arguments& args) {
+    if (KeepZ) return check_pointers(p.fn, {{args.h, "h"}, {args.z, "z"}});
+    return check_pointers(p.fn, {{args.h, "h"}});
+  }
+  static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
+    *params = Params{};
+    params->intermediate = p.n;
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
+    if (!KeepZ) return MEGAMOE_OK;
+    return make_tensor_map(&params->z, args.z, p.rows, 2 * uint64_t(p.n), kWarpRows, p.fn, "z");
+  }
 
   __device__ static void prefetch(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
@@ -57,11 +81,7 @@ struct SwigluEpilogue {
     }
     float h[kHalf];
 #pragma unroll
-    for (int x = 0; x < kHalf; ++x) {
-      const float g = acc[x];
-      // silu(g) = g / (1 + e^-g); for g < -88 e^-g is inf and the quotient 0, the limit.
-      h[x] = __fdividef(g, 1.0f + __expf(-g)) * acc[x + kHalf];
-    }
+    for (int x = 0; x < kHalf; ++x) h[x] = Act::value(acc[x]) * acc[x + kHalf];
     Pending pending;
     pack_fragment(h, pending.h);
     pending.row0 = row0;

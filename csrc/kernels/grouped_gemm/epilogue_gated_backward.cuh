@@ -1,8 +1,9 @@
 // dh epilogue of the backward: dh = dy_pool · w2[e] (fp32 accumulators, MN-major B), then per pool
-// row r (topk weight p = p_pool[r]) and column i of the tile, with g, u from z_pool (bf16 -> fp32):
-//   σ = sigmoid(g), silu = g σ, h = silu · u
+// row r (topk weight p = p_pool[r]) and column i of the tile, with g, u from z_pool (bf16 -> fp32)
+// and the gate's activation Act (activation.cuh):
+//   h = act(g) · u
 //   dp_partial[r, q] = Σ_i h · dh over i in [128 q, 128 q + 128)   (fixed order)
-//   dh_w = p · dh,  dg = dh_w · u · σ (1 + g (1 − σ)),  du = dh_w · silu,  hp = p · h
+//   dh_w = p · dh,  dg = dh_w · u · act'(g),  du = dh_w · act(g),  hp = p · h
 //   dz[r, n0 + i] = dg, dz[r, I + n0 + i] = du, hp[r, n0 + i] = hp   (bf16, one rounding each)
 // Rows with p == 0 (padding rows, or a zero weight) get dz = hp = 0 exactly, whatever z holds.
 //
@@ -23,14 +24,15 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/grouped_gemm/activation.cuh"
 #include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
 
 namespace megamoe::grouped_gemm {
 
-// The kernel parameter, the same for either tile width.
-struct SwigluBackwardParams {
+// The kernel parameter, the same for either tile width and activation.
+struct GatedBackwardParams {
   CUtensorMap dz;     // [max_blocks * 128, 2I], 64 x 64 boxes
   CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
   CUtensorMap z;      // [max_blocks * 128, 2I], 128 x 64 boxes (read through the ring)
@@ -39,8 +41,9 @@ struct SwigluBackwardParams {
   int intermediate;
 };
 
-template <int BlockN>
-struct SwigluBackwardEpilogue {
+// The problem's N is I (columns of dh), its K the hidden size.
+template <class Act, int BlockN>
+struct GatedBackwardEpilogue {
   using Cfg = Config<BlockN, 1, Major::K, Major::MN>;
   static constexpr int kChunks = BlockN / kEpiCols;
   static constexpr int kRingChunks = kChunks;                // one ring stage of z per chunk
@@ -49,7 +52,31 @@ struct SwigluBackwardEpilogue {
   static_assert(Cfg::kABytes == kZBoxBytes && Cfg::kBBytes >= kZBoxBytes, "a chunk of g and u fits a stage");
   static_assert(kEpiBuffers == 2 && kChunks % 2 == 0, "chunk c reuses chunk c - 2's hp buffer");
   static_assert(Cfg::kStages > 2, "the epilogue holds two stages while it waits for a third");
-  using Params = SwigluBackwardParams;
+  static constexpr int kTileN = BlockN;
+  using Params = GatedBackwardParams;
+  struct Arguments {
+    const void* z;           // [pool rows, 2I] bf16: the forward's gate | up
+    const float* p;          // [pool rows]
+    void* dz;                // [pool rows, 2I] bf16
+    void* hp;                // [pool rows, I] bf16
+    float* dp_partial;       // [pool rows, I / 128]
+  };
+
+  static int can_implement(const PoolProblem& p, const Arguments& args) {
+    return check_pointers(p.fn, {{args.z, "z_pool"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
+                                 {args.dp_partial, "dp_partial"}});
+  }
+  static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
+    const uint64_t i = uint64_t(p.n);
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->dz, args.dz, p.rows, 2 * i, kWarpgroupRows, p.fn, "dz"));
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->z, args.z, p.rows, 2 * i, kBlockM, p.fn, "z_pool"));
+    params->p = args.p;
+    params->dp_partial = args.dp_partial;
+    params->intermediate = p.n;
+    return MEGAMOE_OK;
+  }
+
   struct Rows {
     float p[2];  // the topk weights of the thread's two fragment rows
   };
@@ -130,14 +157,13 @@ struct SwigluBackwardEpilogue {
           for (int i = 0; i < 2; ++i) {
             const float gi = i ? gv.y : gv.x, ui = i ? uv.y : uv.x;
             const float dh = acc[4 * j + 2 * h + i];
-            const float sig = __fdividef(1.0f, 1.0f + __expf(-gi));  // e^-g = inf -> 0, the limit
-            const float silu = gi * sig;
-            const float hv = silu * ui;
+            const auto act = Act::at(gi);
+            const float hv = act.value * ui;
             dp[h] = fmaf(hv, dh, dp[h]);
             const float dhw = pw * dh;
             const bool live = pw != 0.f;
-            out_dg[i] = live ? dhw * ui * sig * fmaf(gi, 1.0f - sig, 1.0f) : 0.f;
-            out_du[i] = live ? dhw * silu : 0.f;
+            out_dg[i] = live ? Act::chain(dhw * ui, act) : 0.f;
+            out_du[i] = live ? dhw * act.value : 0.f;
             out_hp[i] = live ? pw * hv : 0.f;
           }
           dg[q] = pack_bf16x2(out_dg[0], out_dg[1]);

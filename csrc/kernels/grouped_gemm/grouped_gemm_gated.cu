@@ -1,0 +1,31 @@
+// megamoe_grouped_gemm_gated_bf16: GEMM1 of the expert MLP with the gated activation in the
+// epilogue (kernel.cuh with epilogue_gated.cuh; each stage's B tile = 128 gate rows + the 128
+// matching up rows), optionally also storing z = gate | up for the backward.
+#include "kernels/grouped_gemm/epilogue_gated.cuh"
+#include "kernels/grouped_gemm/launch.cuh"
+
+using namespace megamoe;
+using namespace megamoe::grouped_gemm;
+
+namespace {
+
+template <class Epi>
+int run_gated(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* stream) {
+  const PoolOperands operands{args.a, "a", args.w13, "w13", Epi::b_rows(p)};
+  return run_pool_gemm<Epi>(p, operands, {args.h, args.z}, stream);
+}
+
+}  // namespace
+
+extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan, const megamoe_gated_gemm_args* args,
+                                               void* stream) {
+  const std::string fn = "megamoe_grouped_gemm_gated_bf16: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  PoolProblem p;
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  return with_activation(fn, args->activation, [&](auto act) {
+    using Act = decltype(act);
+    return args->z == nullptr ? run_gated<GatedEpilogue<Act, false>>(p, *args, stream)
+                              : run_gated<GatedEpilogue<Act, true>>(p, *args, stream);
+  });
+}

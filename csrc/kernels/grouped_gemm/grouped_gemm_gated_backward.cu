@@ -1,0 +1,31 @@
+// megamoe_grouped_gemm_gated_backward_bf16: dh = dy_pool · w2[e] with the gated activation's
+// backward, the p-weighting and the dp partial sums in the epilogue (kernel.cuh with
+// epilogue_gated_backward.cuh; w2 [E, H, I] is read as it is: B[e] = [K = H, N = I], MN-major).
+#include "kernels/grouped_gemm/epilogue_gated_backward.cuh"
+#include "kernels/grouped_gemm/launch.cuh"
+
+using namespace megamoe;
+using namespace megamoe::grouped_gemm;
+
+namespace {
+
+template <class Epi>
+int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
+  const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
+  return run_pool_gemm<Epi>(p, operands, {args.z_pool, args.p_pool, args.dz, args.hp, args.dp_partial}, stream);
+}
+
+}  // namespace
+
+extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
+                                                        const megamoe_gated_backward_args* args, void* stream) {
+  const std::string fn = "megamoe_grouped_gemm_gated_backward_bf16: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  PoolProblem p;
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  return with_activation(fn, args->activation, [&](auto act) {
+    using Act = decltype(act);
+    return wide_tiles(p.n) ? run_gated_backward<GatedBackwardEpilogue<Act, 256>>(p, *args, stream)
+                           : run_gated_backward<GatedBackwardEpilogue<Act, 128>>(p, *args, stream);
+  });
+}
