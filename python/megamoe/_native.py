@@ -1,7 +1,9 @@
 """Loads the C++/CUDA core (libmegamoe.so) through its C ABI.
 
 The core has no PyTorch types, so one native build serves every PyTorch version; tensors cross
-as raw pointers plus the current CUDA stream.
+as raw pointers plus the current CUDA stream. This module mirrors csrc/include/megamoe/megamoe.h:
+its argument structs and function signatures are declared here once, and a test checks them
+against the header.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ MEGAMOE_OK = 0
 BLOCK_M = 128
 MAX_PEERS = 8  # MEGAMOE_MAX_PEERS: ranks in one expert-parallel group
 IPC_HANDLE_BYTES = 64  # MEGAMOE_IPC_HANDLE_BYTES
+B_N_BY_K, B_K_BY_N = 0, 1  # MEGAMOE_B_*: the layout of a scatter GEMM's B
+GRAD_BF16, GRAD_FP32, GRAD_FP32_ADD = 0, 1, 2  # MEGAMOE_GRAD_*: a weight gradient's output
 
 _LIBRARY_NAME = "libmegamoe.so"
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 
 
 def _candidates() -> list[Path]:
@@ -31,81 +37,79 @@ def _candidates() -> list[Path]:
     return found
 
 
-class RoutingShape(ctypes.Structure):
-    _fields_ = [("num_tokens", ctypes.c_int64), ("top_k", ctypes.c_int32),
-                ("num_experts", ctypes.c_int32), ("expert_begin", ctypes.c_int32),
-                ("num_local_experts", ctypes.c_int32)]
+def _struct(name: str, *fields: tuple[str, type]) -> type[ctypes.Structure]:
+    return type(name, (ctypes.Structure,), {"_fields_": list(fields)})
 
 
-class RoutingPlanPointers(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert",
-        "num_blocks", "num_invalid", "workspace")]
+RoutingShape = _struct("megamoe_routing_shape", ("num_tokens", _i64), ("top_k", _i32), ("num_experts", _i32),
+                       ("expert_begin", _i32), ("num_local_experts", _i32))
+RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
+    "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
+    "num_invalid", "workspace")), ("shape", RoutingShape))
+DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),
+                       ("weights_pool", _ptr), ("hidden", _i32))
+CombineArgs = _struct("megamoe_combine_args", ("routed", _ptr), ("topk_weights", _ptr), ("y", _ptr),
+                      ("hidden", _i32))
+DispatchPeersArgs = _struct("megamoe_dispatch_peers_args", ("x_peers", _ptr), ("route_offsets", _ptr),
+                            ("weights_peers", _ptr), ("pool", _ptr), ("weights_pool", _ptr), ("world", _i32),
+                            ("hidden", _i32))
+CombinePeersArgs = _struct("megamoe_combine_peers_args", ("out_peers", _ptr), ("route_to_slot_peers", _ptr),
+                           ("topk_weights", _ptr), ("y", _ptr), ("route_offset", _i64), ("num_tokens", _i64),
+                           ("top_k", _i32), ("world", _i32), ("hidden", _i32))
+GemmArgs = _struct("megamoe_gemm_args", ("a", _ptr), ("b", _ptr), ("c", _ptr), ("n", _i32), ("k", _i32))
+GemmFp8Args = _struct("megamoe_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("b", _ptr), ("b_scales", _ptr),
+                      ("c", _ptr), ("n", _i32), ("k", _i32))
+GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
+                        ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),
+                          ("row_of_slot", _ptr), ("num_out_rows", _i64), ("n", _i32), ("k", _i32),
+                          ("b_layout", _i32))
+GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("w2", _ptr), ("z_pool", _ptr),
+                            ("p_pool", _ptr), ("dz", _ptr), ("hp", _ptr), ("dp_partial", _ptr),
+                            ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))
+WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
+                         ("m", _i32), ("n", _i32), ("output", _i32))
+
+STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
+           GemmFp8Args, GatedGemmArgs, ScatterGemmArgs, GatedBackwardArgs, DpReduceArgs, WeightGradArgs)
 
 
-_SIGNATURES = {
+def _p(struct: type[ctypes.Structure]):
+    return ctypes.POINTER(struct)
+
+
+def _plan_op(args: type[ctypes.Structure]):
+    """(status, [plan, args, stream]): the shape of every plan-consuming entry point."""
+    return ctypes.c_int, [_p(RoutingPlan), _p(args), _ptr]
+
+
+SIGNATURES = {
     "megamoe_last_error": (ctypes.c_char_p, []),
-    "megamoe_routing_capacity": (ctypes.c_int64, [ctypes.POINTER(RoutingShape)]),
-    "megamoe_routing_max_blocks": (ctypes.c_int64, [ctypes.POINTER(RoutingShape)]),
-    "megamoe_routing_workspace_bytes": (ctypes.c_size_t, [ctypes.POINTER(RoutingShape)]),
-    "megamoe_build_routing_cuda": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.POINTER(RoutingShape), ctypes.POINTER(RoutingPlanPointers),
-        ctypes.c_void_p]),
-    "megamoe_build_routing_host": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.POINTER(RoutingShape), ctypes.POINTER(RoutingPlanPointers)]),
-    "megamoe_grouped_gemm_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_grouped_gemm_fp8": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_grouped_gemm_swiglu_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_grouped_gemm_scatter_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-        ctypes.c_int64, ctypes.c_void_p]),
-    "megamoe_grouped_gemm_scatter_mn_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-        ctypes.c_int64, ctypes.c_void_p]),
-    "megamoe_grouped_gemm_swiglu_backward_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_dp_reduce": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
-        ctypes.c_int64, ctypes.c_void_p]),
-    "megamoe_grouped_weight_grad_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-        ctypes.c_void_p]),
-    "megamoe_dispatch_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p]),
-    "megamoe_combine_bf16": (ctypes.c_int, [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_dispatch_peers_bf16": (ctypes.c_int, [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]),
-    "megamoe_barrier": (ctypes.c_int, [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
-    "megamoe_barrier_check": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int64]),
-    "megamoe_enable_peer_access": (ctypes.c_int, [ctypes.c_int32]),
-    "megamoe_shared_alloc": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p),
-                                            ctypes.c_char_p]),
-    "megamoe_shared_free": (ctypes.c_int, [ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_shared_open": (ctypes.c_int, [ctypes.c_int32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
-    "megamoe_shared_close": (ctypes.c_int, [ctypes.c_int32, ctypes.c_void_p]),
-    "megamoe_copy_async": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
-    "megamoe_combine_peers_bf16": (ctypes.c_int, [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]),
+    "megamoe_routing_capacity": (_i64, [_p(RoutingShape)]),
+    "megamoe_routing_max_blocks": (_i64, [_p(RoutingShape)]),
+    "megamoe_routing_workspace_bytes": (ctypes.c_size_t, [_p(RoutingShape)]),
+    "megamoe_build_routing_cuda": (ctypes.c_int, [_ptr, _p(RoutingPlan), _ptr]),
+    "megamoe_build_routing_host": (ctypes.c_int, [_ptr, _p(RoutingPlan)]),
+    "megamoe_dispatch_bf16": _plan_op(DispatchArgs),
+    "megamoe_combine_bf16": _plan_op(CombineArgs),
+    "megamoe_dispatch_peers_bf16": _plan_op(DispatchPeersArgs),
+    "megamoe_combine_peers_bf16": (ctypes.c_int, [_p(CombinePeersArgs), _ptr]),
+    "megamoe_barrier": (ctypes.c_int, [ctypes.POINTER(_ptr), _i32, _i32, _i32, _i32, _i64, _ptr, _ptr]),
+    "megamoe_barrier_check": (ctypes.c_int, [ctypes.POINTER(_i32), _i32, _i64]),
+    "megamoe_enable_peer_access": (ctypes.c_int, [_i32]),
+    "megamoe_shared_alloc": (ctypes.c_int, [_i32, _i64, ctypes.POINTER(_ptr), ctypes.c_char_p]),
+    "megamoe_shared_free": (ctypes.c_int, [_i32, _ptr]),
+    "megamoe_shared_open": (ctypes.c_int, [_i32, ctypes.c_char_p, ctypes.POINTER(_ptr)]),
+    "megamoe_shared_close": (ctypes.c_int, [_i32, _ptr]),
+    "megamoe_copy_async": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr]),
+    "megamoe_grouped_gemm_bf16": _plan_op(GemmArgs),
+    "megamoe_grouped_gemm_fp8": _plan_op(GemmFp8Args),
+    "megamoe_grouped_gemm_gated_bf16": _plan_op(GatedGemmArgs),
+    "megamoe_grouped_gemm_scatter_bf16": _plan_op(ScatterGemmArgs),
+    "megamoe_grouped_gemm_gated_backward_bf16": _plan_op(GatedBackwardArgs),
+    "megamoe_dp_reduce": _plan_op(DpReduceArgs),
+    "megamoe_grouped_weight_grad_bf16": _plan_op(WeightGradArgs),
 }
 
 
@@ -119,12 +123,12 @@ def library() -> ctypes.CDLL:
     for path in _candidates():
         if path.is_file():
             lib = ctypes.CDLL(str(path))
-            missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+            missing = [name for name in SIGNATURES if not hasattr(lib, name)]
             if missing:
                 raise NativeLibraryError(
                     f"{path} is older than this Python package (it lacks {', '.join(missing)}): "
                     "rebuild it (`pip install .`, or `cmake --build build`)")
-            for name, (restype, argtypes) in _SIGNATURES.items():
+            for name, (restype, argtypes) in SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
             return lib
@@ -145,3 +149,9 @@ def check(status: int, what: str) -> None:
         message = library().megamoe_last_error().decode(errors="replace")
         error = {1: ValueError, 3: TimeoutError}.get(status, RuntimeError)
         raise error(f"{what}: {message}")
+
+
+def call(name: str, what: str, *args) -> None:
+    """library().name(*args), ctypes structs passed by reference; raises with `what` on an error status."""
+    check(getattr(library(), name)(*(ctypes.byref(a) if isinstance(a, ctypes.Structure) else a for a in args)),
+          what)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from .activation import activation_id
 from .routing import RoutingPlan
 
 
@@ -34,10 +35,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch
     if c.shape != (rows, n) or c.dtype != torch.bfloat16 or c.device != a.device or not c.is_contiguous():
         raise ValueError(f"out must be a contiguous bfloat16 [{rows}, {n}] on {a.device}, got {c.dtype} "
                          f"{tuple(c.shape)} on {c.device}")
-    status = _native.library().megamoe_grouped_gemm_bf16(
-        a.data_ptr(), b.data_ptr(), c.data_ptr(), plan.block_expert.data_ptr(),
-        plan.num_blocks.data_ptr(), plan.block_expert.numel(), n, k, num_local, _native.stream(a.device))
-    _native.check(status, "grouped_gemm")
+    _native.call("megamoe_grouped_gemm_bf16", "grouped_gemm", plan.native(),
+                 _native.GemmArgs(a.data_ptr(), b.data_ptr(), c.data_ptr(), n, k), _native.stream(a.device))
     return c
 
 
@@ -52,73 +51,70 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
     c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
-    _native.check(_native.library().megamoe_grouped_gemm_fp8(
-        a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), c.data_ptr(),
-        plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), plan.block_expert.numel(), n, k, num_local,
-        _native.stream(a.device)), "grouped_gemm_fp8")
+    _native.call("megamoe_grouped_gemm_fp8", "grouped_gemm_fp8", plan.native(),
+                 _native.GemmFp8Args(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(),
+                                     c.data_ptr(), n, k), _native.stream(a.device))
     return c
 
 
-# The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism
-# (expert_parallel.py). Their callers validate the layer's inputs; the C API checks every argument.
+# The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism.
+# Their callers validate the layer's inputs; the C API checks every argument.
 
-def grouped_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan,
-                        z: torch.Tensor | None = None) -> torch.Tensor:
-    """h [rows, I] = silu(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
+def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
+               z: torch.Tensor | None = None) -> torch.Tensor:
+    """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
     with z [rows, 2I], the gate | up pre-activations are written there too (the backward's z)."""
     num_local, two_i, hidden = w13.shape
     h = a.new_empty(a.shape[0], two_i // 2)
-    _native.check(_native.library().megamoe_grouped_gemm_swiglu_bf16(
-        a.data_ptr(), w13.data_ptr(), h.data_ptr(), None if z is None else z.data_ptr(),
-        plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), plan.block_expert.numel(), two_i // 2, hidden,
-        num_local, _native.stream(a.device)), "GEMM1 with SwiGLU")
+    _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
+                 _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), None if z is None else z.data_ptr(),
+                                       two_i // 2, hidden, activation_id(activation)), _native.stream(a.device))
     return h
 
 
-def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, row_of_slot: torch.Tensor,
+def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, row_of_slot: torch.Tensor | None,
                          out: torch.Tensor, b_is_k_by_n: bool = False) -> None:
     """out[row_of_slot[s]] = a[s] · B[e] for every live pool row s (rows mapped to -1 or past out are
-    not written): B[e] = b[e]ᵀ for b [E_local, N, K] (w2 in GEMM2), or b[e] itself for b [E_local, K, N]
-    with b_is_k_by_n (w13 in the backward's dx)."""
-    gemm = (_native.library().megamoe_grouped_gemm_scatter_mn_bf16 if b_is_k_by_n
-            else _native.library().megamoe_grouped_gemm_scatter_bf16)
-    _native.check(gemm(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), row_of_slot.data_ptr(), plan.block_expert.data_ptr(),
-        plan.num_blocks.data_ptr(), plan.block_expert.numel(), out.shape[1], a.shape[1], b.shape[0], out.shape[0],
-        _native.stream(a.device)), "grouped GEMM with scattered rows")
+    not written; row_of_slot None: the plan's slot_to_route): B[e] = b[e]ᵀ for b [E_local, N, K] (w2 in
+    GEMM2), or b[e] itself for b [E_local, K, N] with b_is_k_by_n (w13 in the backward's dx)."""
+    args = _native.ScatterGemmArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                                   None if row_of_slot is None else row_of_slot.data_ptr(), out.shape[0],
+                                   out.shape[1], a.shape[1], _native.B_K_BY_N if b_is_k_by_n else _native.B_N_BY_K)
+    _native.call("megamoe_grouped_gemm_scatter_bf16", "grouped GEMM with scattered rows", plan.native(), args,
+                 _native.stream(a.device))
 
 
-def swiglu_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
-                    plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
+                   plan: RoutingPlan, activation: str = "swiglu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
-    the SwiGLU backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩)."""
+    the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩)."""
     num_local, hidden, inter = w2.shape
     rows = dy_pool.shape[0]
     dz, hp = dy_pool.new_empty(rows, 2 * inter), dy_pool.new_empty(rows, inter)
     dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=dy_pool.device)
-    _native.check(_native.library().megamoe_grouped_gemm_swiglu_backward_bf16(
-        dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(), hp.data_ptr(),
-        dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), plan.block_expert.numel(),
-        inter, hidden, num_local, _native.stream(dy_pool.device)), "dh with the SwiGLU backward")
+    args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
+                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden,
+                                     activation_id(activation))
+    _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
+                 args, _native.stream(dy_pool.device))
     return dz, hp, dp_partial
 
 
-def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan, num_routes: int) -> torch.Tensor:
-    """dp [num_routes] fp32: each routed route's partials summed in a fixed order (0 for routes
-    without a slot in this plan)."""
-    dp = torch.empty(num_routes, dtype=torch.float32, device=dp_partial.device)
-    _native.check(_native.library().megamoe_dp_reduce(
-        dp_partial.data_ptr(), plan.route_to_slot.data_ptr(), dp.data_ptr(), num_routes,
-        dp_partial.shape[1] * 128, plan.block_expert.numel(), _native.stream(dp_partial.device)), "dp reduce")
+def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """dp [T * K] fp32 for the plan's routes: each routed route's partials summed in a fixed order (0
+    for routes without a slot in this plan)."""
+    dp = torch.empty(plan.route_to_slot.numel(), dtype=torch.float32, device=dp_partial.device)
+    _native.call("megamoe_dp_reduce", "dp reduce", plan.native(),
+                 _native.DpReduceArgs(dp_partial.data_ptr(), dp.data_ptr(), dp_partial.shape[1] * 128),
+                 _native.stream(dp_partial.device))
     return dp
 
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor) -> None:
     """out[e] = a[rows of e]ᵀ · b[rows of e] for every local expert; out [E_local, M, N] bf16 is
     written, fp32 is added to (a main_grad)."""
-    accumulate = int(out.dtype == torch.float32)
-    _native.check(_native.library().megamoe_grouped_weight_grad_bf16(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), plan.expert_offsets.data_ptr(), plan.expert_counts.data_ptr(),
-        plan.block_expert.numel(), out.shape[0], out.shape[1], out.shape[2], accumulate, accumulate,
-        _native.stream(a.device)),
-        "weight gradient")
+    output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
+    _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
+                 _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.shape[1], out.shape[2],
+                                        output), _native.stream(a.device))

@@ -27,20 +27,31 @@ class RoutingPlan:
     # Every field above is a view of this one int32 allocation: what the fused op keeps of the
     # forward's plan for its backward.
     buffer: torch.Tensor = dataclasses.field(repr=False, compare=False, default=None)
+    # What the plan is built for (megamoe_routing_plan.shape).
+    shape: _native.RoutingShape = dataclasses.field(repr=False, compare=False, default=None)
 
     @classmethod
-    def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int) -> RoutingPlan:
-        """The plan whose fields `buffer` holds (as build_routing laid them out)."""
+    def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int,
+                    num_experts: int | None = None, expert_begin: int = 0) -> RoutingPlan:
+        """The plan whose fields `buffer` holds (as build_routing laid them out), for the experts
+        [expert_begin, expert_begin + num_local_experts) of num_experts (default: all are local)."""
         views, offset = {}, 0
         for name, shape in _field_shapes(num_tokens, top_k, num_local_experts).items():
             size = math.prod(shape)
             views[name] = buffer[offset:offset + size].view(shape)
             offset += size
-        return cls(**views, buffer=buffer)
+        shape = _native.RoutingShape(num_tokens, top_k, num_local_experts if num_experts is None else num_experts,
+                                     expert_begin, num_local_experts)
+        return cls(**views, buffer=buffer, shape=shape)
+
+    def native(self, workspace: torch.Tensor | None = None) -> _native.RoutingPlan:
+        """The megamoe_routing_plan the C API takes: this plan's arrays and shape."""
+        return _native.RoutingPlan(*(getattr(self, name).data_ptr() for name in PLAN_FIELDS),
+                                   None if workspace is None else workspace.data_ptr(), self.shape)
 
 
 # The plan's arrays, in the order of megamoe_routing_plan's pointers (the dataclass order).
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan) if f.name != "buffer")
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan) if f.name not in ("buffer", "shape"))
 
 
 def pool_capacity(num_routes, num_local_experts: int):
@@ -68,25 +79,18 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or not topk_ids.is_contiguous():
         raise ValueError("topk_ids must be a contiguous int32 tensor [T, K], got "
                          f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
-    lib = _native.library()
-    shape = _native.RoutingShape(topk_ids.shape[0], topk_ids.shape[1], num_experts, expert_begin,
-                                 num_experts - expert_begin if num_local_experts is None
-                                 else num_local_experts)
-    local = max(shape.num_local_experts, 0)  # the library rejects a bad shape below, with its message
+    num_local = num_experts - expert_begin if num_local_experts is None else num_local_experts
+    local = max(num_local, 0)  # the library rejects a bad shape below, with its message
     device = topk_ids.device
     buffer = torch.empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], local), dtype=torch.int32,
                          device=device)
-    plan = RoutingPlan.from_buffer(buffer, topk_ids.shape[0], topk_ids.shape[1], local)
-    pointers = _native.RoutingPlanPointers(*(getattr(plan, name).data_ptr() for name in PLAN_FIELDS), None)
+    plan = RoutingPlan.from_buffer(buffer, topk_ids.shape[0], topk_ids.shape[1], local, num_experts, expert_begin)
+    plan.shape.num_local_experts = num_local
     if device.type == "cuda":
-        workspace = torch.empty(lib.megamoe_routing_workspace_bytes(ctypes.byref(shape)),
+        workspace = torch.empty(_native.library().megamoe_routing_workspace_bytes(ctypes.byref(plan.shape)),
                                 dtype=torch.uint8, device=device)
-        pointers.workspace = workspace.data_ptr()
-        stream = _native.stream(device)
-        status = lib.megamoe_build_routing_cuda(topk_ids.data_ptr(), ctypes.byref(shape),
-                                                ctypes.byref(pointers), stream)
+        _native.call("megamoe_build_routing_cuda", "build_routing", topk_ids.data_ptr(), plan.native(workspace),
+                     _native.stream(device))
     else:
-        status = lib.megamoe_build_routing_host(topk_ids.data_ptr(), ctypes.byref(shape),
-                                                ctypes.byref(pointers))
-    _native.check(status, "build_routing")
+        _native.call("megamoe_build_routing_host", "build_routing", topk_ids.data_ptr(), plan.native())
     return plan
