@@ -24,10 +24,10 @@ import gc
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from megamoe.bench.report import add_out_argument
 from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--noise-runs", type=int, default=NOISE_RUNS,
                         help=f"perturbed runs of the reference that measure the noise floor (default {NOISE_RUNS})")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2")
