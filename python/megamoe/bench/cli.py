@@ -13,6 +13,7 @@ from megamoe.validation import PRECISIONS
 
 from .backends import BACKENDS
 from .peak import measure_peaks
+from .plot import pyplot, write_chart
 from .record import MODES, fill_derived
 from .report import add_out_argument, build_result, print_table, write_json
 from .runner import Plan, run_plan
@@ -48,6 +49,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu only for smoke tests: its times say nothing about the kernels")
     args = parser.parse_args(argv)
+    if args.plot:  # before the measurements, not after them
+        try:
+            pyplot()
+        except ImportError as error:
+            parser.error(f"--plot: {error}")
     if args.device == "cpu":  # the same command line again, with the smoke run's defaults
         parser.set_defaults(**CPU_DEFAULTS)
         args = parser.parse_args(argv)
@@ -81,8 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_json(result, args.out)
     print_table(result)
     if args.plot:
-        from .plot import write_chart  # matplotlib only when asked for
-
         write_chart(result, [p.with_suffix(".png") for p in paths])
     print(f"wrote {', '.join(str(p) for p in paths)}" + (" (+ .png)" if args.plot else ""))
     return 0

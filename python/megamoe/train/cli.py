@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Sequence
 
 from .config import ConfigError, load_config
-from .loop import train
+from .loop import CHECKPOINT, METRICS, PLOT, train
 
 
 def config_arguments(parser: argparse.ArgumentParser, default_config: str | None = None) -> None:
@@ -38,6 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if records:
         last = records[-1]
-        print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/"
-              "{metrics.jsonl, loss.png}" + (", checkpoint.pt" if config.output.checkpoint_every else ""))
+        written = [name for name in (METRICS, PLOT, CHECKPOINT) if (Path(config.output.dir) / name).exists()]
+        print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/{{{', '.join(written)}}}")
     return 0

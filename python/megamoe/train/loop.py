@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from .config import Config, ConfigError
 from .data import SyntheticCorpus
-from .plot import write_loss_curve
+from .plot import write_if_plotting, write_loss_curve
 from .trainer import Trainer, check_backend_runs_on, resolve_device
 
 METRICS, PLOT, CHECKPOINT = "metrics.jsonl", "loss.png", "checkpoint.pt"
@@ -71,9 +71,10 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
                 trainer.save(checkpoint)
         bar.close()
 
-    write_loss_curve([r["step"] for r in records], [r["lm_loss"] for r in records], out_dir / PLOT,
-                     title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
-                     floor=corpus.entropy_floor())
+    write_if_plotting(write_loss_curve, out_dir / PLOT, [r["step"] for r in records],
+                      [r["lm_loss"] for r in records],
+                      title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
+                      floor=corpus.entropy_floor())
     return records
 
 

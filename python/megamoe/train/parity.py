@@ -33,7 +33,7 @@ from megamoe.validation import BACKENDS
 from .cli import config_arguments
 from .config import Config, ConfigError, load_config
 from .data import SyntheticCorpus
-from .plot import write_parity_plot
+from .plot import write_if_plotting, write_parity_plot
 from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
 
@@ -155,9 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "noise_floor": noise, "noise_runs": noise_runs, "comparisons": comparisons,
               "curves": [dataclasses.asdict(c) for c in curves]}
     path = write_result(result, args.out, "train_parity")
-    write_parity_plot({c.name: c.losses for c in curves if c.losses}, reference.name, path.with_suffix(".png"),
-                      title=f"Qwen3-MoE loss parity, "
-                            f"{config.train.batch_size}×{config.train.seq_len} tokens/step")
+    plotted = write_if_plotting(write_parity_plot, path.with_suffix(".png"),
+                                {c.name: c.losses for c in curves if c.losses}, reference.name,
+                                title=f"Qwen3-MoE loss parity, "
+                                      f"{config.train.batch_size}×{config.train.seq_len} tokens/step")
 
     gaps = ", ".join(f"{n['mean_smoothed_rel_gap']:.2%}" for n in noise_runs)
     print(f"noise floor ({args.reference} from {len(noise_runs)} perturbed inits vs {reference.name}): widest mean "
@@ -169,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{c['backend']} vs {c['reference']}: step-1 rel diff {c['step1_rel_diff']:.1e}, mean smoothed gap "
               f"{c['mean_smoothed_rel_gap']:.2%} (tolerance {c['tolerance']:.2%}): "
               f"{'PASS' if c['within_tolerance'] else 'FAIL'}")
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else ""))
     return 0 if all(c["within_tolerance"] for c in comparisons) else 1
 
 
