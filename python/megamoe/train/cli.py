@@ -23,7 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe.train",
                                      description="Train transformers' Qwen3-MoE with megamoe experts.")
     config_arguments(parser)
-    parser.add_argument("--backend", help="override [moe].backend: fused (a Hopper GPU), grouped or naive (also on the CPU)")
+    parser.add_argument("--backend",
+                        help="override [moe].backend: fused (a Hopper GPU), grouped or naive (also on the CPU)")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="continue from <output.dir>/checkpoint.pt and fail if there is none "
