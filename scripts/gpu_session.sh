@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: machine facts, the README's test command (GPU tests included) and
-# the benchmarks. Everything it writes is packed into $OUT/results.tar.gz (the device tool returns
-# at most 8 files). Stages: env tests sanitize gemm profile bench train parity (default: all but
-# profile and parity);
+# Build, test and benchmark on a GPU machine, and gather everything into one results folder: machine
+# facts (env.txt), the test command's log (GPU tests included), compute-sanitizer on the small
+# GoogleTests, and the benchmarks' logs and JSON (bench/ inside the folder).
+#   bash scripts/gpu_session.sh [stage ...]
+# Stages: env tests sanitize gemm profile bench train parity (default: all but profile and parity);
 # after a failed `tests` stage the later stages are skipped.
-#   device run: MEGAMOE_COMMIT=<sha> bash scripts/gpu_session.sh [stage ...]
-# Carry .whl (the nvidia-cutlass wheel) for the headers; MEGAMOE_COMMIT names the commit, since the
-# copy there has no .git. The build lives outside the carried tree, so a warm machine reuses it.
+# Settings (environment variables):
+#   MEGAMOE_OUT        the results folder (default: runs/gpu-<date>-<time> in this tree; runs/ is ignored by git)
+#   MEGAMOE_TAR        also pack the folder into this .tar.gz (e.g. to copy it off the machine in one file)
+#   MEGAMOE_BUILD_DIR  where the core is built (default /tmp/megamoe-build, kept between calls)
+#   MEGAMOE_WHEELS     a folder of wheels to install offline first (default .whl, if it exists), e.g. the
+#                      nvidia-cutlass wheel for the CUDA headers on a machine without internet access
+#   MEGAMOE_COMMIT     the commit being measured, for the records, when the tree has no .git
+#   MEGAMOE_BENCH_ARGS, MEGAMOE_PROFILE_ARGS  extra arguments of the bench and profile stages
 set -uo pipefail
+out=${MEGAMOE_OUT:+$(realpath -m "$MEGAMOE_OUT")} tarball=${MEGAMOE_TAR:+$(realpath -m "$MEGAMOE_TAR")}
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/megamoe-out}
-work=$(mktemp -d)
-mkdir -p "$out" "$work/bench"
-trap 'tar -czf "$out/results.tar.gz" -C "$work" .' EXIT
+out=${out:-$PWD/runs/gpu-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$out/bench"
+[[ -n "$tarball" ]] && trap 'tar -czf "$tarball" -C "$out" .' EXIT
+echo "results: $out"
 export PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 export MEGAMOE_BUILD_DIR=${MEGAMOE_BUILD_DIR:-/tmp/megamoe-build}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+wheels=${MEGAMOE_WHEELS:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/megamoe-site "$wheels"/*.whl
+  export PYTHONPATH=/tmp/megamoe-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 build() {  # what tests/run.sh builds, for the stages that skip `tests` on a fresh machine
   cmake -S . -B "$MEGAMOE_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
@@ -34,28 +42,28 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
     env)
       { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
         python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-        nvcc --version | tail -1; cmake --version | head -1; } 2>&1 | tee "$work/env.txt" ;;
+        nvcc --version | tail -1; cmake --version | head -1; } 2>&1 | tee "$out/env.txt" ;;
     tests)
-      bash tests/run.sh -q 2>&1 | tee "$work/tests.log" || { echo "tests failed: stopping"; exit 1; } ;;
+      bash tests/run.sh -q 2>&1 | tee "$out/tests.log" || { echo "tests failed: stopping"; exit 1; } ;;
     sanitize)
       # Small shapes only: the kernels' memory accesses and shared-memory races, not their speed.
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 1 "$MEGAMOE_BUILD_DIR/megamoe_tests" --gtest_brief=1 \
-          --gtest_filter='*small*:*DispatchCombine*:Routings/*' 2>&1 | tail -5 | tee -a "$work/sanitize.log" || status=1
+          --gtest_filter='*small*:*DispatchCombine*:Routings/*' 2>&1 | tail -5 | tee -a "$out/sanitize.log" || status=1
       done ;;
     gemm)
-      run_python -m megamoe.bench.gemm --out "$work/bench" 2>&1 | tee "$work/gemm.log" || status=1 ;;
+      run_python -m megamoe.bench.gemm --out "$out/bench" 2>&1 | tee "$out/gemm.log" || status=1 ;;
     profile)
       # Kernel-by-kernel breakdown of one backend (MEGAMOE_PROFILE_ARGS, default: fused fwd+bwd).
-      run_python -m megamoe.bench.profile --out "$work/bench" ${MEGAMOE_PROFILE_ARGS:-} 2>&1 \
-        | tee -a "$work/profile.log" || status=1 ;;
+      run_python -m megamoe.bench.profile --out "$out/bench" ${MEGAMOE_PROFILE_ARGS:-} 2>&1 \
+        | tee -a "$out/profile.log" || status=1 ;;
     bench)
-      run_python -m megamoe.bench --out "$work/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 \
-        | grep -v "megamoe.bench: " | tee "$work/bench.log" || status=1 ;;
+      run_python -m megamoe.bench --out "$out/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 \
+        | grep -v "megamoe.bench: " | tee "$out/bench.log" || status=1 ;;
     train)
-      run_python -m megamoe.train.bench --out "$work/bench" 2>&1 | grep -v "it/s\]" | tee "$work/train.log" || status=1 ;;
+      run_python -m megamoe.train.bench --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/train.log" || status=1 ;;
     parity)
-      run_python -m megamoe.train.parity --out "$work/bench" 2>&1 | grep -v "it/s\]" | tee "$work/parity.log" || status=1 ;;
+      run_python -m megamoe.train.parity --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/parity.log" || status=1 ;;
     *)
       echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, train, parity)"; status=2 ;;
   esac

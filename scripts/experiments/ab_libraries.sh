@@ -1,7 +1,8 @@
-# A/B of library builds in one call on the GPU machine. Each scratch/<name>.tgz (from
+# A/B of library versions on a GPU machine. Each scratch/<name>.tgz (from
 # `git archive <rev> CMakeLists.txt csrc python | gzip > scratch/<name>.tgz`) is built into
-# /tmp/b_<name> (kept while the machine stays warm) and benchmarked with its own Python package, in
-# the order given, twice (ABAB), so drift shows. Carry .whl and scratch (both ignored by git).
+# /tmp/b_<name> by build_libraries.sh (kept for later calls) and benchmarked with its own Python
+# package, in the order given, twice (ABAB), so drift shows. Results go to $MEGAMOE_OUT/<name>-<round>
+# (default runs/ab); MEGAMOE_WHEELS is a folder of wheels to install offline (build_libraries.sh).
 #   bash scripts/experiments/ab_libraries.sh <name> ... [-- <megamoe.bench args>]
 # AB_MODULE=megamoe.bench.profile compares kernel by kernel instead (args: that module's, e.g.
 # -- --preset qwen3-30b-a3b --mode fwdbwd --iterations 10); it prints each profile's head.
@@ -9,6 +10,7 @@
 # its --preset / --tokens and the timing options), for revisions whose own benchmark predates the sustained defaults.
 set -u
 module=${AB_MODULE:-megamoe.bench}
+out=${MEGAMOE_OUT:-runs/ab}
 names=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done; [ $# -gt 0 ] && shift
 default_args="--preset qwen3-30b-a3b qwen3-235b-a22b --tokens 16384 --backends fused --modes fwd fwdbwd"
 [ "$module" = megamoe.bench ] || default_args=""
@@ -21,8 +23,8 @@ for round in 1 2; do
       time_moe) runner=(python3 "$(dirname "$0")/time_moe.py" --label "$n") ;;
       *) runner=(python3 -m "$module") ;;
     esac
-    MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
-      timeout 200 "${runner[@]}" $bench_args --out $OUT/$n-$round 2>&1 |
+    MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/megamoe-site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
+      timeout 200 "${runner[@]}" $bench_args --out "$out/$n-$round" 2>&1 |
       case "$module" in megamoe.bench) grep "│" ;; time_moe) grep "^{" ;; *) head -12 ;; esac
   done
 done

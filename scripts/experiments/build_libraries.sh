@@ -1,17 +1,21 @@
-# Builds each scratch/<name>.tgz (from `git archive <rev> CMakeLists.txt csrc python | gzip >
-# scratch/<name>.tgz`) into /tmp/b_<name>/libmegamoe.so, in parallel, and returns when all are built
-# (a build already there is kept while the machine stays warm). A scratch/<name>.so built on the
-# development machine (with its nvcc, from the same revision) is used as it is, with no build here.
-# Run it in the background to overlap
-# the builds with the tests, then `wait` before benchmarking:
-#   bash scripts/experiments/build_libraries.sh main my-branch & MEGAMOE_COMMIT=<sha> bash scripts/gpu_session.sh tests; wait
+# Builds library versions side by side for an A/B on a GPU machine: each scratch/<name>.tgz (from
+# `git archive <rev> CMakeLists.txt csrc python | gzip > scratch/<name>.tgz`) is unpacked into
+# /tmp/src_<name> and built into /tmp/b_<name>/libmegamoe.so, all in parallel; returns when all are
+# built. A build already in /tmp/b_<name> is kept, and a scratch/<name>.so (built elsewhere from the
+# same revision, with the same CUDA) is used as it is, with no build here.
+# MEGAMOE_WHEELS: a folder of wheels to install offline first (default .whl, if it exists), e.g. the
+# nvidia-cutlass wheel for the CUDA headers.
+# Run it in the background to overlap the builds with the tests, then `wait` before benchmarking:
+#   bash scripts/experiments/build_libraries.sh main my-branch & bash scripts/gpu_session.sh tests; wait
 set -u
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+wheels=${MEGAMOE_WHEELS:-.whl}
+compgen -G "$wheels/*.whl" >/dev/null &&
+  python3 -m pip install -q --no-index --no-deps --target /tmp/megamoe-site "$wheels"/*.whl
 for n in "$@"; do
   [ -f /tmp/b_$n/libmegamoe.so ] && continue
   mkdir -p /tmp/src_$n && tar -xzf scratch/$n.tgz -C /tmp/src_$n
   if [ -f scratch/$n.so ]; then mkdir -p /tmp/b_$n && cp scratch/$n.so /tmp/b_$n/libmegamoe.so && continue; fi
-  (PYTHONPATH=/tmp/site cmake -S /tmp/src_$n -B /tmp/b_$n -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_TESTS=OFF >/dev/null &&
+  (PYTHONPATH=/tmp/megamoe-site cmake -S /tmp/src_$n -B /tmp/b_$n -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_TESTS=OFF >/dev/null &&
    cmake --build /tmp/b_$n -j 8 --target megamoe 2>&1 | grep -E "rror") &
 done
 wait

@@ -1,6 +1,6 @@
-# Nsight Compute's view of chosen kernels inside the fused layer's forward + backward, on the GPU
+# Nsight Compute's view of chosen kernels inside the fused layer's forward + backward, on a GPU
 # machine: SM clock under load, SM (tensor) / L2 / DRAM throughput, warp stall reasons. Clocks are
-# left as they are (--clock-control none): the H200 runs these GEMMs at 1.46-1.55 GHz (power limit).
+# left as they are (--clock-control none): an H200 runs these GEMMs at 1.46-1.55 GHz (power limit).
 #   bash scripts/experiments/ncu_kernels.sh <kernel name regex> <preset> [launches, default 2]
 #   e.g. ... WeightGrad qwen3-235b-a22b      (the two weight-gradient launches of the first iteration)
 # The regex matches the demangled name (template arguments included: the epilogue policy names the GEMM).

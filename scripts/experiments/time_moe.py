@@ -1,5 +1,6 @@
 """Sustained fwd / fwd+bwd times of `megamoe.moe` from whichever megamoe package is on PYTHONPATH,
-timed with this tree's bench/timing.py (its warm-up seconds, timed seconds, clock and power sampling).
+timed with this tree's python/megamoe/bench/timing.py (its warm-up seconds, timed seconds, clock and
+power sampling).
 
 For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
 AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have

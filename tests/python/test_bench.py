@@ -153,3 +153,41 @@ def test_profile_drops_the_first_profiled_call():
         ("routing", 1), ("gemm", 1), ("routing", 2), ("gemm", 2)]
     with pytest.raises(RuntimeError, match="did not launch the same sequence"):
         last_iterations(events[:-1], iterations=2)
+
+
+def test_bench_on_the_cpu_defaults_to_a_smoke_run_of_the_tiny_preset():
+    from megamoe.bench.cli import parse_args
+
+    args = parse_args(["--device", "cpu"])
+    assert args.preset == ["tiny"] and max(args.tokens) <= 1024
+    assert args.budget <= 0.5 and args.warmup_seconds == 0
+    explicit = parse_args(["--device", "cpu", "--preset", "qwen3-30b-a3b", "--tokens", "8", "--budget", "3"])
+    assert explicit.preset == ["qwen3-30b-a3b"] and explicit.tokens == [8] and explicit.budget == 3
+
+
+def test_bench_on_the_cpu_with_its_defaults_finishes_in_about_a_minute(tmp_path):
+    start = time.perf_counter()
+    assert main(["--device", "cpu", "--backends", "naive", "grouped", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 180  # about a minute, with room for a busy machine
+    assert {r["preset"] for r in read_results(tmp_path)["records"]} == {"tiny"}
+
+
+def test_bench_writes_under_the_current_directory_not_the_repositorys_records(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([*SMOKE, "--backends", "naive", "--modes", "fwd"]) == 0
+    read_results(tmp_path / "runs" / "bench")
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.parametrize("module", ["megamoe.bench.cli", "megamoe.bench.gemm", "megamoe.bench.ep",
+                                    "megamoe.bench.profile", "megamoe.train.bench", "megamoe.train.parity"])
+def test_every_entry_point_defaults_its_output_to_runs_bench(module, capsys):
+    import importlib
+
+    if module.startswith("megamoe.train"):
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: runs/bench" in text and "--out bench/results" in text  # the records: on purpose only

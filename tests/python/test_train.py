@@ -67,13 +67,56 @@ def test_resume_continues_steps_and_data_order(tmp_path, monkeypatch):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
 
 
-def test_resume_needs_a_checkpoint_and_a_fresh_run_does_not_overwrite_one(tmp_path):
+def test_resume_needs_a_checkpoint_and_a_rerun_resumes_the_one_there(tmp_path):
     config = tiny(tmp_path, "train.steps=2", "output.checkpoint_every=2")
     with pytest.raises(ConfigError, match="nothing to resume"):
         train(config, resume=True, progress=False)
-    train(config, progress=False)
-    with pytest.raises(ConfigError, match="--resume"):
-        train(config, progress=False)
+    first = train(config, progress=False)
+    assert train(config, progress=False) == first  # step 2 of 2: nothing left to train
+    longer = train(tiny(tmp_path, "train.steps=3", "output.checkpoint_every=2"), progress=False)
+    assert longer[:2] == first and [r["step"] for r in longer] == [1, 2, 3]
+
+
+def run_cli(tmp_path, capsys, *args):
+    assert cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path}", "--set",
+                     "output.checkpoint_every=2", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_rerunning_the_cli_resumes_from_the_checkpoint_and_says_so(tmp_path, capsys):
+    assert "resuming" not in run_cli(tmp_path, capsys, "--set", "train.steps=2")
+    first = read_metrics(tmp_path)
+    out = run_cli(tmp_path, capsys, "--set", "train.steps=4")
+    assert f"resuming from {tmp_path / 'checkpoint.pt'} at step 2" in out
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[:2] == first
+
+
+def test_fresh_starts_the_run_over(tmp_path, capsys):
+    run_cli(tmp_path, capsys, "--set", "train.steps=2")
+    first = read_metrics(tmp_path)
+    out = run_cli(tmp_path, capsys, "--set", "train.steps=2", "--fresh")
+    assert "resuming" not in out and "starting over" in out
+    again = read_metrics(tmp_path)
+    assert [r["step"] for r in again] == [1, 2]
+    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in first], rel=1e-6)
+    with pytest.raises(SystemExit):  # one or the other
+        cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path}", "--fresh", "--resume"])
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8"])
+def test_precisions_the_loop_cannot_train_yet_are_refused_by_the_config(tmp_path, precision):
+    with pytest.raises(ConfigError, match=rf"\[moe\]\.precision = '{precision}': .*supported: bf16"):
+        tiny(tmp_path, f"moe.precision={precision}")
+
+
+def test_fused_without_a_gpu_is_refused_before_training_naming_the_cpu_backends(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--config", str(TINY), *CPU, "--backend", "fused", "--set", f"output.dir={tmp_path}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "[moe].backend = 'fused'" in err and "grouped" in err and "naive" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("mode", ["full", "moe"])

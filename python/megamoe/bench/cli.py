@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -14,16 +13,26 @@ from megamoe.validation import PRECISIONS
 
 from .backends import BACKENDS
 from .peak import measure_peaks
+from .plot import pyplot, write_chart
 from .record import MODES, fill_derived
-from .report import build_result, print_table, write_json
+from .report import add_out_argument, build_result, print_table, write_json
 from .runner import Plan, run_plan
 from .timing import Budget, Device
+
+
+# `--device cpu` is a smoke test of the harness (its times say nothing about the kernels): unless the
+# command line says otherwise it runs the tiny preset on short budgets, about a minute in all.
+CPU_DEFAULTS = {"preset": ["tiny"], "tokens": [64, 256], "skewed_tokens": [256], "warmup": 1,
+                "warmup_seconds": 0.0, "budget": 0.1}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m megamoe.bench",
-        description="Time MoE-layer backends on the same inputs; print a table and write JSON (and a PNG).")
+        description="Time MoE-layer backends on the same inputs; print a table and write JSON (and a PNG).",
+        epilog="With --device cpu the defaults are a smoke run: " + ", ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in CPU_DEFAULTS.items()) + ".")
     parser.add_argument("--preset", nargs="+", choices=list(PRESETS), default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384, 65536])
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced"])
@@ -35,11 +44,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="fwd: forward under no_grad; fwdbwd: forward + y.backward(dy)")
     Budget.add_arguments(parser, warmup=5)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu only for smoke tests: its times say nothing about the kernels")
     args = parser.parse_args(argv)
+    if args.plot:  # before the measurements, not after them
+        try:
+            pyplot()
+        except ImportError as error:
+            parser.error(f"--plot: {error}")
+    if args.device == "cpu":  # the same command line again, with the smoke run's defaults
+        parser.set_defaults(**CPU_DEFAULTS)
+        args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; --device cpu runs a smoke test")
     if min(args.tokens) < 1 or args.warmup < 0 or args.repeat < 1 or args.warmup_seconds < 0:
@@ -70,8 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_json(result, args.out)
     print_table(result)
     if args.plot:
-        from .plot import write_chart  # matplotlib only when asked for
-
         write_chart(result, [p.with_suffix(".png") for p in paths])
     print(f"wrote {', '.join(str(p) for p in paths)}" + (" (+ .png)" if args.plot else ""))
     return 0

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
-from .report import provenance
+from .report import add_out_argument, provenance
 from .timing import MIN_REPEATS, Budget, Device, measure
 
 _FIXED = 1e9  # Budget.seconds that never cuts warm-up or repeats short: every rank makes the same calls
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 with --one-gpu)")
     parser.add_argument("--one-gpu", action="store_true", help="all ranks on GPU 0 (checks the path, not its speed)")
     Budget.add_arguments(parser, warmup=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count()
     world = args.world or (2 if args.one_gpu else gpus)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -24,7 +23,7 @@ from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
-from .report import provenance
+from .report import add_out_argument, provenance
 from .timing import Budget, Device, measure
 
 
@@ -81,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384])
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["balanced", "skewed"])
     Budget.add_arguments(parser, warmup=5)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     device = Device(torch.device("cuda"))
     budget = Budget.from_arguments(args)

@@ -1,23 +1,36 @@
-"""PNG chart of a result: TFLOPS per backend and token count, one panel per (preset, routing, mode)."""
+"""PNG chart of a result: TFLOPS per backend and token count, one panel per (preset, routing, mode).
+
+matplotlib is an optional extra (`pip install ".[plot]"`), imported only when a chart is drawn."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; benchmark machines have no display
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from .record import MODES  # noqa: E402
+from .record import MODES
 
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
+PLOT_HINT = 'plotting needs matplotlib: pip install ".[plot]" (or pip install matplotlib)'
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (benchmark and training machines have no display);
+    ImportError with PLOT_HINT when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(PLOT_HINT) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_chart(result: dict, paths: list[Path]) -> None:
+    plt = pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     records = result["records"]
     several_precisions = len({r["precision"] for r in records}) > 1
 

@@ -15,7 +15,6 @@ import json
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,7 +23,7 @@ from megamoe.shapes import PRESETS, make_inputs
 
 from . import backends, runner
 from .record import MODES
-from .report import provenance
+from .report import add_out_argument, provenance
 from .timing import SUSTAINED_WARMUP_S
 
 NAME_WIDTH = 90
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S, metavar="SECONDS",
                         help="keep the GPU busy this long first, so the profiled kernels run at the sustained "
                              "(power-limited) clock, as the benchmark times them")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     shape = PRESETS[args.preset]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -15,6 +16,17 @@ import torch
 
 from .peak import Peaks
 from .record import Record
+
+# Where a run writes unless --out says otherwise: a folder under the current directory (`runs/` is
+# ignored by git in a checkout). The repository's records (bench/results/) are only updated on
+# purpose, with an explicit --out bench/results.
+DEFAULT_OUT = Path("runs/bench")
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                        help=f"folder for the results (default: {DEFAULT_OUT} under the current directory; "
+                             "the repository's records are updated with --out bench/results)")
 
 
 def build_result(records: list[Record], peaks: Peaks, gpu: str, argv: list[str], settings: dict) -> dict:

@@ -15,10 +15,10 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from megamoe.bench.report import add_out_argument
 from megamoe.bench.timing import SUSTAINED_WARMUP_S, Device
 from megamoe.hf import patch_hf_model
 from megamoe.validation import BACKENDS
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="and at least this long (4 s for the first backend), so the GPU runs at its sustained "
                              "(power-limited) clock")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend (default 10)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Sequence
 
 from .config import ConfigError, load_config
-from .loop import train
+from .loop import CHECKPOINT, METRICS, PLOT, train
 
 
 def config_arguments(parser: argparse.ArgumentParser, default_config: str | None = None) -> None:
@@ -22,17 +23,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe.train",
                                      description="Train transformers' Qwen3-MoE with megamoe experts.")
     config_arguments(parser)
-    parser.add_argument("--backend", help="override [moe].backend: fused, grouped or naive")
-    parser.add_argument("--resume", action="store_true", help="continue from <output.dir>/checkpoint.pt")
+    parser.add_argument("--backend",
+                        help="override [moe].backend: fused (a Hopper GPU), grouped or naive (also on the CPU)")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from <output.dir>/checkpoint.pt and fail if there is none "
+                            "(by default a run continues from it when it is there)")
+    start.add_argument("--fresh", action="store_true",
+                       help="start over: delete <output.dir>/checkpoint.pt and overwrite the metrics")
     args = parser.parse_args(argv)
     overrides = args.set + ([f"moe.backend={args.backend}"] if args.backend else [])
     try:
         config = load_config(args.config, overrides)
-        records = train(config, resume=args.resume)
+        records = train(config, resume=True if args.resume else False if args.fresh else None)
     except ConfigError as error:
         parser.error(str(error))
     if records:
         last = records[-1]
-        print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/"
-              "{metrics.jsonl, loss.png}" + (", checkpoint.pt" if config.output.checkpoint_every else ""))
+        written = [name for name in (METRICS, PLOT, CHECKPOINT) if (Path(config.output.dir) / name).exists()]
+        print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/{{{', '.join(written)}}}")
     return 0

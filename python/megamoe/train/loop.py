@@ -11,26 +11,36 @@ from tqdm import tqdm
 
 from .config import Config, ConfigError
 from .data import SyntheticCorpus
-from .plot import write_loss_curve
-from .trainer import Trainer
+from .plot import write_if_plotting, write_loss_curve
+from .trainer import Trainer, check_backend_runs_on, resolve_device
 
 METRICS, PLOT, CHECKPOINT = "metrics.jsonl", "loss.png", "checkpoint.pt"
 
 
-def train(config: Config, resume: bool = False, progress: bool = True) -> list[dict]:
-    """Trains config.train.steps steps (from the checkpoint's step with resume); returns the metrics
-    of every step so far, as written to <output.dir>/metrics.jsonl."""
+def train(config: Config, resume: bool | None = None, progress: bool = True) -> list[dict]:
+    """Trains up to config.train.steps steps; returns the metrics of every step so far, as written to
+    <output.dir>/metrics.jsonl.
+
+    resume: None (the default) continues from <output.dir>/checkpoint.pt when there is one, so that
+    rerunning a command picks up where it stopped; True requires that checkpoint; False starts over
+    (deleting it first, so an interrupted new run cannot resume the old one)."""
+    check_backend_runs_on(config, resolve_device(config))
     out_dir = Path(config.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = out_dir / CHECKPOINT
-    if checkpoint.exists() and not resume:
-        raise ConfigError(f"{checkpoint} exists: resume it (--resume) or choose another [output].dir")
     if resume and not checkpoint.exists():
         raise ConfigError(f"nothing to resume: {checkpoint} does not exist")
+    if resume is None:
+        resume = checkpoint.exists()
+    elif not resume and checkpoint.exists():
+        checkpoint.unlink()
+        print(f"starting over: deleted {checkpoint}", flush=True)
 
     trainer = Trainer(config)
     if resume:
         trainer.load(checkpoint)
+        print(f"resuming from {checkpoint} at step {trainer.step} of {config.train.steps} (--fresh starts over)",
+              flush=True)
     # Steps after the checkpoint (from an interrupted run) are dropped: they are trained again.
     records = [r for r in _read_metrics(out_dir / METRICS) if r["step"] <= trainer.step] if resume else []
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
@@ -61,9 +71,10 @@ def train(config: Config, resume: bool = False, progress: bool = True) -> list[d
                 trainer.save(checkpoint)
         bar.close()
 
-    write_loss_curve([r["step"] for r in records], [r["lm_loss"] for r in records], out_dir / PLOT,
-                     title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
-                     floor=corpus.entropy_floor())
+    write_if_plotting(write_loss_curve, out_dir / PLOT, [r["step"] for r in records],
+                      [r["lm_loss"] for r in records],
+                      title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
+                      floor=corpus.entropy_floor())
     return records
 
 

@@ -5,7 +5,7 @@ curve is compared with the reference backend's (naive: transformers' eager loop 
 Backends that cannot run here are recorded as skipped.
 
 Tolerance. Backends compute the same math in bf16 and differ only in rounding (summation order), so:
-- step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound of DESIGN.md §5;
+- step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound of docs/DESIGN.md §5;
 - after that, training amplifies last-bit differences chaotically: curves wander apart by the run-to-run
   noise of the training itself, not by an error. That noise is measured, not guessed: the reference
   trains --noise-runs more times, each from its initial weights changed by about one bf16 rounding
@@ -24,16 +24,16 @@ import gc
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from megamoe.bench.report import add_out_argument
 from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
 from .config import Config, ConfigError, load_config
 from .data import SyntheticCorpus
-from .plot import write_parity_plot
+from .plot import write_if_plotting, write_parity_plot
 from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--noise-runs", type=int, default=NOISE_RUNS,
                         help=f"perturbed runs of the reference that measure the noise floor (default {NOISE_RUNS})")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2")
@@ -155,9 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "noise_floor": noise, "noise_runs": noise_runs, "comparisons": comparisons,
               "curves": [dataclasses.asdict(c) for c in curves]}
     path = write_result(result, args.out, "train_parity")
-    write_parity_plot({c.name: c.losses for c in curves if c.losses}, reference.name, path.with_suffix(".png"),
-                      title=f"Qwen3-MoE loss parity, "
-                            f"{config.train.batch_size}×{config.train.seq_len} tokens/step")
+    plotted = write_if_plotting(write_parity_plot, path.with_suffix(".png"),
+                                {c.name: c.losses for c in curves if c.losses}, reference.name,
+                                title=f"Qwen3-MoE loss parity, "
+                                      f"{config.train.batch_size}×{config.train.seq_len} tokens/step")
 
     gaps = ", ".join(f"{n['mean_smoothed_rel_gap']:.2%}" for n in noise_runs)
     print(f"noise floor ({args.reference} from {len(noise_runs)} perturbed inits vs {reference.name}): widest mean "
@@ -169,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{c['backend']} vs {c['reference']}: step-1 rel diff {c['step1_rel_diff']:.1e}, mean smoothed gap "
               f"{c['mean_smoothed_rel_gap']:.2%} (tolerance {c['tolerance']:.2%}): "
               f"{'PASS' if c['within_tolerance'] else 'FAIL'}")
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else ""))
     return 0 if all(c["within_tolerance"] for c in comparisons) else 1
 
 

@@ -1,18 +1,24 @@
-"""Loss-curve PNGs (matplotlib, headless)."""
+"""Loss-curve PNGs (matplotlib, an optional extra: `pip install ".[plot]"`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from megamoe.bench.plot import pyplot as _pyplot
 
-def _pyplot():
-    import matplotlib
 
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    return plt
+def write_if_plotting(write: Callable[..., None], path: Path, *args, **kwargs) -> bool:
+    """write(..., path, ...) if matplotlib is there; else a note on stderr, and no PNG at path (an older
+    one would no longer match the results). The results stand without their plot."""
+    try:
+        write(*args, path, **kwargs)
+        return True
+    except ImportError as error:
+        path.unlink(missing_ok=True)
+        print(f"{path.name} not written: {error}", file=sys.stderr)
+        return False
 
 
 def write_loss_curve(steps: Sequence[int], losses: Sequence[float], path: Path, title: str,

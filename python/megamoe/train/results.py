@@ -1,4 +1,4 @@
-"""Where a result was measured (GPU, commit, date, versions) and how it is written to bench/results/."""
+"""Where a result was measured (GPU, commit, date, versions) and how it is written to --out."""
 
 from __future__ import annotations
 

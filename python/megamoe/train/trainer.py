@@ -39,6 +39,13 @@ def resolve_device(config: Config) -> torch.device:
     return torch.device(config.train.device)
 
 
+def check_backend_runs_on(config: Config, device: torch.device) -> None:
+    """Refuses, before anything is built, a backend that cannot run on this device at all."""
+    if config.moe.backend == "fused" and device.type != "cuda":
+        raise ConfigError(f"[moe].backend = 'fused' needs a CUDA GPU (Hopper) and this run is on the {device.type}; "
+                          "the CPU runs --backend grouped or --backend naive")
+
+
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     """Qwen3MoeForCausalLM from config.model, initialised from config.train.seed (the same weights for
     every backend on one device), in bf16, experts through megamoe, with the chosen checkpointing."""
@@ -128,7 +135,7 @@ class Trainer:
         saved_model = state["config"]["model"]
         if saved_model != self.config.to_dict()["model"]:
             raise ConfigError(f"{path} was written for a different [model] ({saved_model}); "
-                              "resume with the config it was trained with")
+                              "resume with the config it was trained with, or start over with --fresh")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
