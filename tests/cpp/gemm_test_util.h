@@ -69,36 +69,53 @@ struct DeviceBuffer {
   }
 };
 
+// Host copies of a routing plan, for building inputs and references.
 struct Plan {
   std::vector<int32_t> counts, offsets, block_expert, route_to_slot, slot_to_route;
   int32_t num_blocks = 0;
   int64_t max_blocks = 0;
 };
 
-// Builds the routing plan on the GPU (as the real pipeline does); num_blocks and slot_to_route stay
-// on the device in the caller's buffers (slot_to_route sized megamoe_routing_capacity), host copies
-// come back for checking.
-inline Plan build_plan(const megamoe_routing_shape& s, const std::vector<int32_t>& ids, DeviceBuffer<int32_t>& block_expert,
-                DeviceBuffer<int32_t>& num_blocks_dev, DeviceBuffer<int32_t>& slot_to_route) {
-  const int e = s.num_local_experts;
-  DeviceBuffer<int32_t> ids_dev(ids.size()), counts(e), offsets(e + 1), route_to_slot(ids.size()), num_invalid(1);
-  DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
+// A routing plan on the device, its arrays sized for the shape's worst case, and `plan`: the
+// megamoe_routing_plan over them, shape included, that every plan-consuming entry point takes.
+struct DevicePlan {
+  explicit DevicePlan(const megamoe_routing_shape& s)
+      : max_blocks(megamoe_routing_max_blocks(&s)),
+        counts(s.num_local_experts),
+        offsets(s.num_local_experts + 1),
+        route_to_slot(s.num_tokens * s.top_k),
+        slot_to_route(megamoe_routing_capacity(&s)),
+        block_expert(max_blocks),
+        num_blocks(1),
+        num_invalid(1),
+        workspace(megamoe_routing_workspace_bytes(&s)),
+        plan{counts.ptr,       offsets.ptr,    route_to_slot.ptr, slot_to_route.ptr, block_expert.ptr,
+             num_blocks.ptr,   num_invalid.ptr, workspace.ptr,     s} {}
+  int64_t max_blocks;
+  DeviceBuffer<int32_t> counts, offsets, route_to_slot, slot_to_route, block_expert, num_blocks, num_invalid;
+  DeviceBuffer<char> workspace;
+  megamoe_routing_plan plan;
+};
+
+// Builds d's plan from topk_ids on the GPU (as the real pipeline does) and returns host copies.
+inline Plan build_plan(const std::vector<int32_t>& ids, DevicePlan& d) {
+  DeviceBuffer<int32_t> ids_dev(ids.size());
   ids_dev.upload(ids);
-  megamoe_routing_plan plan{counts.ptr, offsets.ptr, route_to_slot.ptr, slot_to_route.ptr,
-                            block_expert.ptr, num_blocks_dev.ptr, num_invalid.ptr, workspace.ptr};
-  EXPECT_EQ(megamoe_build_routing_cuda(ids_dev.ptr, &s, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  EXPECT_EQ(megamoe_build_routing_cuda(ids_dev.ptr, &d.plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   Plan p;
-  p.counts = counts.download();
-  p.offsets = offsets.download();
-  p.block_expert = block_expert.download();
-  p.route_to_slot = route_to_slot.download();
-  p.slot_to_route = slot_to_route.download();
-  p.num_blocks = num_blocks_dev.download()[0];
-  p.max_blocks = megamoe_routing_max_blocks(&s);
+  p.counts = d.counts.download();
+  p.offsets = d.offsets.download();
+  p.block_expert = d.block_expert.download();
+  p.route_to_slot = d.route_to_slot.download();
+  p.slot_to_route = d.slot_to_route.download();
+  p.num_blocks = d.num_blocks.download()[0];
+  p.max_blocks = d.max_blocks;
   return p;
 }
 
+// A plan whose pool rows (128 + 2^31) exceed TMA's 32-bit coordinates: 2^24 local experts.
+constexpr megamoe_routing_shape kHugePoolShape{1, 1, 1 << 24, 0, 1 << 24};
 
 inline bool is_real_row(const Plan& p, int64_t row) {
   const int32_t e = p.block_expert[row / MEGAMOE_BLOCK_M];
@@ -265,27 +282,12 @@ inline std::vector<float> transpose_experts(const std::vector<float>& b, int exp
   return t;
 }
 
-// The B layout of a scatter GEMM: [E, N, K] (megamoe_grouped_gemm_scatter_bf16, forward h · w2[e])
-// or [E, K, N] (megamoe_grouped_gemm_scatter_mn_bf16, backward dz · w13[e]).
-enum class ScatterB { kNK, kKN };
-
-// The device arrays of a routing plan that the pool GEMMs read, sized for the shape's worst case.
-struct DevicePlan {
-  explicit DevicePlan(const megamoe_routing_shape& s)
-      : max_blocks(megamoe_routing_max_blocks(&s)),
-        block_expert(max_blocks),
-        num_blocks(1),
-        slot_to_route(megamoe_routing_capacity(&s)) {}
-  int64_t max_blocks;
-  DeviceBuffer<int32_t> block_expert, num_blocks, slot_to_route;
-};
-
 // Builds the plan and asserts it covers what the fused tests are for; holds the scatter test body
 // shared by both B layouts.
 class FusedTest : public ::testing::TestWithParam<FusedCase> {
  protected:
   Plan plan_for(const FusedCase& c, DevicePlan& d) {
-    const Plan p = build_plan(fused_shape(c), make_fused_ids(c), d.block_expert, d.num_blocks, d.slot_to_route);
+    const Plan p = build_plan(make_fused_ids(c), d);
     const int hot = fused_hot(c) - c.local_begin, empty = fused_empty(c) - c.local_begin;
     EXPECT_EQ(p.counts[empty], 0) << "an empty expert";
     EXPECT_GE((p.counts[hot] + MEGAMOE_BLOCK_M - 1) / MEGAMOE_BLOCK_M, 2) << "an expert with several blocks";
@@ -305,18 +307,19 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
     return p;
   }
 
-  // out_rows[route] = A[slot] · B[e] for the layout's kernel: every live route written exactly once
-  // against the host reference, masked / non-local routes untouched, and num_out_rows = half giving
-  // bit-identical rows below it (determinism) and untouched rows above.
-  void check_scatter(ScatterB layout) {
+  // out_rows[route] = A[slot] · B[e] for the B layout (MEGAMOE_B_N_BY_K: w2 [E, N, K];
+  // MEGAMOE_B_K_BY_N: w13 [E, K, N]): every live route written exactly once against the host
+  // reference, masked / non-local routes untouched, and num_out_rows = half giving bit-identical
+  // rows below it (determinism) and untouched rows above. The first run scatters by the plan's
+  // slot_to_route (row_of_slot null), the second passes the same map explicitly.
+  void check_scatter(int32_t b_layout) {
     if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
     const FusedCase& c = GetParam();
     DevicePlan d(fused_shape(c));
     const Plan p = plan_for(c, d);
     if (HasFailure()) return;
 
-    const bool mn = layout == ScatterB::kKN;
-    const auto gemm = mn ? megamoe_grouped_gemm_scatter_mn_bf16 : megamoe_grouped_gemm_scatter_bf16;
+    const bool mn = b_layout == MEGAMOE_B_K_BY_N;
     const int n = c.n, k = c.k;
     const int64_t routes = c.tokens * c.top_k;
     std::mt19937 rng(c.seed * 7919u);
@@ -325,11 +328,11 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
     DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out_dev(routes * n);
     a_dev.upload(a);
     b_dev.upload(b);
-    auto run = [&](int64_t num_out_rows) {
+    auto run = [&](int64_t num_out_rows, const int32_t* row_of_slot) {
       EXPECT_EQ(cudaMemset(out_dev.ptr, 0xFF, out_dev.count * 2), cudaSuccess);  // kCPoison everywhere
-      EXPECT_EQ(gemm(a_dev.ptr, b_dev.ptr, out_dev.ptr, d.slot_to_route.ptr, d.block_expert.ptr, d.num_blocks.ptr,
-                     d.max_blocks, n, k, c.local_experts, num_out_rows, nullptr),
-                MEGAMOE_OK)
+      const megamoe_scatter_gemm_args args{a_dev.ptr, b_dev.ptr, out_dev.ptr, row_of_slot,
+                                           num_out_rows, n,         k,           b_layout};
+      EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(&d.plan, &args, nullptr), MEGAMOE_OK)
           << megamoe_last_error();
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       return out_dev.download();
@@ -339,7 +342,7 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
                          [](uint16_t v) { return v == kCPoison; });
     };
 
-    const std::vector<uint16_t> out = run(routes);
+    const std::vector<uint16_t> out = run(routes, nullptr);
     ASSERT_FALSE(HasFailure());
     std::vector<CheckedRow> rows;
     int64_t untouched = 0;
@@ -369,7 +372,7 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
 
     // The guard: with num_out_rows = half, routes past it stay poison and the rest are bit-identical.
     const int64_t half = routes / 2;
-    const std::vector<uint16_t> again = run(half);
+    const std::vector<uint16_t> again = run(half, d.plan.slot_to_route);
     ASSERT_FALSE(HasFailure());
     EXPECT_TRUE(std::equal(again.begin(), again.begin() + half * n, out.begin()))
         << "rows below num_out_rows differ (or the kernel is not deterministic)";
@@ -380,57 +383,42 @@ class FusedTest : public ::testing::TestWithParam<FusedCase> {
   }
 };
 
-// The two scatter entry points (h · w2 and dz · w13) share their argument checks; each names its own
-// operands in the messages, and the 32-bit row-range check covers the dimension its B is laid out by.
+// The scatter GEMM's argument checks for one B layout; the 32-bit row-range check of B covers the
+// dimension B is laid out by (overflow_n x overflow_k with 4096 local experts: 2^32 rows of B).
 // Validation happens before any CUDA call, so this runs without a GPU; the pointers are never read.
-using ScatterEntry = decltype(&megamoe_grouped_gemm_scatter_bf16);
-struct ScatterMessages {
-  const char* non_null;  // the "must be non-null" message of a, b, out_rows and slot_to_route
-  const char* aligned;   // the "must be 16-byte aligned" message
-  int32_t overflow_n, overflow_k;
-  const char* overflow;  // the message for 4096 experts of overflow_n x overflow_k
-};
-
-inline void expect_scatter_rejections(ScatterEntry entry, const ScatterMessages& m) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  void* misaligned = buf + 8;
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* a;
-    const void* b;
-    void* out;
-    const int32_t* slot_to_route;
-    const int32_t* block_expert;
-    int64_t max_blocks;
-    int32_t n, k, experts;
-    int64_t out_rows;
-    const char* message;
-  };
-  const Bad bad[] = {
-      {nullptr, p, p, ip, ip, 4, 256, 256, 2, 8, m.non_null},
-      {p, nullptr, p, ip, ip, 4, 256, 256, 2, 8, m.non_null},
-      {p, p, nullptr, ip, ip, 4, 256, 256, 2, 8, m.non_null},
-      {p, p, p, nullptr, ip, 4, 256, 256, 2, 8, m.non_null},
-      {p, p, p, ip, nullptr, 4, 256, 256, 2, 8, "block_expert and num_blocks must be non-null"},
-      {p, p, p, ip, ip, 4, 100, 256, 2, 8, "n must be a positive multiple of 128, got 100"},
-      {p, p, p, ip, ip, 4, 256, 64, 2, 8, "k must be a positive multiple of 128, got 64"},
-      {p, p, p, ip, ip, 4, 256, 256, 0, 8, "num_local_experts must be >= 1"},
-      {p, p, p, ip, ip, -2, 256, 256, 2, 8, "max_blocks must be >= 0"},
-      {p, p, p, ip, ip, 4, 256, 256, 2, -1, "num_out_rows must be >= 0"},
-      {p, misaligned, p, ip, ip, 4, 256, 256, 2, 8, m.aligned},
-      {p, p, misaligned, ip, ip, 4, 256, 256, 2, 8, m.aligned},
-      {p, p, p, ip, ip, int64_t(1) << 25, 256, 256, 2, 8, "exceeds the 32-bit row range"},
-      {p, p, p, ip, ip, 4, m.overflow_n, m.overflow_k, 4096, 8, m.overflow},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(entry(x.a, x.b, x.out, x.slot_to_route, x.block_expert, ip, x.max_blocks, x.n, x.k, x.experts,
-                          x.out_rows, nullptr),
-                    x.message);
-  }
-  EXPECT_EQ(entry(p, p, p, ip, ip, ip, 0, 256, 256, 2, 8, nullptr), MEGAMOE_OK)
-      << "an empty pool is a no-op: " << megamoe_last_error();
-  EXPECT_EQ(entry(p, p, p, ip, ip, ip, 4, 256, 256, 2, 0, nullptr), MEGAMOE_OK)
+inline void expect_scatter_rejections(int32_t b_layout, int32_t overflow_n, int32_t overflow_k) {
+  using Args = megamoe_scatter_gemm_args;
+  void* p = check_buf;
+  const megamoe_routing_plan plan = unread_plan();
+  const Args args{p, p, p, nullptr, 8, 256, 256, b_layout};
+  const char* plan_arrays = "the plan's block_expert and num_blocks must be non-null";
+  expect_rejections<Args>(
+      megamoe_grouped_gemm_scatter_bf16, plan, args,
+      {
+          {[](auto&, auto& a) { a.a = nullptr; }, "a must be non-null"},
+          {[](auto&, auto& a) { a.b = nullptr; }, "b must be non-null"},
+          {[](auto&, auto& a) { a.out_rows = nullptr; }, "out_rows must be non-null"},
+          {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, "row_of_slot must be non-null"},  // and none given
+          {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
+          {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, plan_arrays},
+          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 128, got 100"},
+          {[](auto&, auto& a) { a.k = 64; }, "k must be a positive multiple of 128, got 64"},
+          {[](auto&, auto& a) { a.num_out_rows = -1; }, "num_out_rows must be >= 0, got -1"},
+          {[](auto&, auto& a) { a.b = check_buf + 8; }, "b must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.out_rows = check_buf + 8; }, "out_rows must be 16-byte aligned"},
+          {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          {[=](auto& pl, auto& a) {
+             pl.shape.num_experts = pl.shape.num_local_experts = 4096;
+             a.n = overflow_n;
+             a.k = overflow_k;
+           },
+           "the rows of b = 4294967296 exceeds the 32-bit row range"},
+          {[](auto&, auto& a) { a.b_layout = 2; }, "b_layout must be MEGAMOE_B_N_BY_K or MEGAMOE_B_K_BY_N, got 2"},
+          {[](auto&, auto& a) { a.b_layout = -1; }, "b_layout must be MEGAMOE_B_N_BY_K or MEGAMOE_B_K_BY_N, got -1"},
+      });
+  Args none = args;
+  none.num_out_rows = 0;
+  EXPECT_EQ(megamoe_grouped_gemm_scatter_bf16(&plan, &none, nullptr), MEGAMOE_OK)
       << "no output rows is a no-op: " << megamoe_last_error();
 }
 

@@ -37,17 +37,12 @@ std::vector<FusedCase> scatter_mn_cases() {
 
 class ScatterMnTest : public FusedTest {};
 
-TEST_P(ScatterMnTest, EveryRouteRowWrittenOnce) { check_scatter(ScatterB::kKN); }  // w13 [E, K, N]
+TEST_P(ScatterMnTest, EveryRouteRowWrittenOnce) { check_scatter(MEGAMOE_B_K_BY_N); }  // w13 [E, K, N]
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ScatterMnTest, ::testing::ValuesIn(scatter_mn_cases()),
                          [](const auto& info) { return info.param.name; });
 
-TEST(GroupedGemmScatterMnValidation, RejectsBadArguments) {
-  expect_scatter_rejections(megamoe_grouped_gemm_scatter_mn_bf16,
-                            {"a, b, out_rows and slot_to_route must be non-null",
-                             "a, b and out_rows must be 16-byte aligned", 256, 1 << 20,
-                             "num_local_experts * k exceeds"});
-}
+TEST(GroupedGemmScatterMnValidation, RejectsBadArguments) { expect_scatter_rejections(MEGAMOE_B_K_BY_N, 256, 1 << 20); }
 
 
 // Runs fn(i) for i in [0, n) on up to 32 host threads.
@@ -126,17 +121,12 @@ TEST_P(SwigluBackwardTest, MatchesHostReference) {
   ASSERT_EQ(cudaMemset(hp_dev.ptr, 0xFF, hp_dev.count * 2), cudaSuccess);
   ASSERT_EQ(cudaMemset(dpp_dev.ptr, 0xFF, dpp_dev.count * 4), cudaSuccess);
   ASSERT_EQ(cudaMemset(dp_dev.ptr, 0xFF, dp_dev.count * 4), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(dy_dev.ptr, w2_dev.ptr, z_dev.ptr, p_dev.ptr, dz_dev.ptr,
-                                                      hp_dev.ptr, dpp_dev.ptr, d.block_expert.ptr, d.num_blocks.ptr,
-                                                      d.max_blocks, inter, hidden, c.local_experts, nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
-  DeviceBuffer<int32_t> route_to_slot(p.route_to_slot.size());
-  route_to_slot.upload(p.route_to_slot);
-  ASSERT_EQ(megamoe_dp_reduce(dpp_dev.ptr, route_to_slot.ptr, dp_dev.ptr, int64_t(p.route_to_slot.size()), inter,
-                              d.max_blocks, nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
+  const megamoe_gated_backward_args args{dy_dev.ptr, w2_dev.ptr, z_dev.ptr,   p_dev.ptr,
+                                         dz_dev.ptr, hp_dev.ptr, dpp_dev.ptr, inter,
+                                         hidden,     MEGAMOE_ACTIVATION_SWIGLU};
+  ASSERT_EQ(megamoe_grouped_gemm_gated_backward_bf16(&d.plan, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  const megamoe_dp_reduce_args reduce{dpp_dev.ptr, dp_dev.ptr, inter};
+  ASSERT_EQ(megamoe_dp_reduce(&d.plan, &reduce, nullptr), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> dz = dz_dev.download(), hp = hp_dev.download();
   const std::vector<float> dpp = dpp_dev.download(), dp = dp_dev.download();
@@ -214,10 +204,7 @@ TEST_P(SwigluBackwardTest, MatchesHostReference) {
             << ", hp " << rh.rel_error << ", dp_partial " << rp << "\n";
 
   // Deterministic: a second run gives the same bits.
-  ASSERT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(dy_dev.ptr, w2_dev.ptr, z_dev.ptr, p_dev.ptr, dz_dev.ptr,
-                                                      hp_dev.ptr, dpp_dev.ptr, d.block_expert.ptr, d.num_blocks.ptr,
-                                                      d.max_blocks, inter, hidden, c.local_experts, nullptr),
-            MEGAMOE_OK);
+  ASSERT_EQ(megamoe_grouped_gemm_gated_backward_bf16(&d.plan, &args, nullptr), MEGAMOE_OK);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(dz_dev.download() == dz && hp_dev.download() == hp) << "not deterministic";
   const std::vector<float> dpp2 = dpp_dev.download();
@@ -228,63 +215,54 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SwigluBackwardTest, ::testing::ValuesIn(swiglu_
                          [](const auto& info) { return info.param.name; });
 
 TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  auto* fp = reinterpret_cast<float*>(buf);
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* dy;
-    const void* w2;
-    const void* z;
-    const float* pp;
-    void* dz;
-    void* hp;
-    float* dpp;
-    const int32_t* block_expert;
-    int64_t max_blocks;
-    int32_t inter, hidden, experts;
-    const char* message;
-  };
-  const char* null_msg = "dy_pool, w2, z_pool, p_pool, dz, hp and dp_partial must be non-null";
-  const Bad bad[] = {
-      {nullptr, p, p, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, nullptr, p, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, p, nullptr, fp, p, p, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, p, p, nullptr, p, p, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, p, p, fp, nullptr, p, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, p, p, fp, p, nullptr, fp, ip, 4, 256, 256, 2, null_msg},
-      {p, p, p, fp, p, p, nullptr, ip, 4, 256, 256, 2, null_msg},
-      {p, p, p, fp, p, p, fp, nullptr, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
-      {p, p, p, fp, p, p, fp, ip, 4, 200, 256, 2, "intermediate must be a positive multiple of 128, got 200"},
-      {p, p, p, fp, p, p, fp, ip, 4, 256, 96, 2, "hidden must be a positive multiple of 128, got 96"},
-      {p, p, p, fp, p, p, fp, ip, 4, 256, 256, 0, "num_local_experts must be >= 1"},
-      {p, p, p, fp, p, p, fp, ip, -1, 256, 256, 2, "max_blocks must be >= 0"},
-      {p, p, buf + 4, fp, p, p, fp, ip, 4, 256, 256, 2, "must be 16-byte aligned"},
-      {p, p, p, fp, p, p, fp + 1, ip, 4, 256, 256, 2, "must be 16-byte aligned"},
-      {p, p, p, fp, p, p, fp, ip, int64_t(1) << 25, 256, 256, 2, "exceeds the 32-bit row range"},
-      {p, p, p, fp, p, p, fp, ip, 4, 256, 1 << 20, 4096, "num_local_experts * hidden exceeds"},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_gemm_swiglu_backward_bf16(x.dy, x.w2, x.z, x.pp, x.dz, x.hp, x.dpp, x.block_expert,
-                                                              ip, x.max_blocks, x.inter, x.hidden, x.experts, nullptr),
-                    x.message);
-  }
-  EXPECT_EQ(megamoe_grouped_gemm_swiglu_backward_bf16(p, p, p, fp, p, p, fp, ip, ip, 0, 256, 256, 2, nullptr),
-            MEGAMOE_OK)
-      << "an empty pool is a no-op: " << megamoe_last_error();
+  using Args = megamoe_gated_backward_args;
+  void* p = check_buf;
+  auto* fp = reinterpret_cast<float*>(check_buf);
+  expect_rejections<Args>(
+      megamoe_grouped_gemm_gated_backward_bf16, unread_plan(),
+      Args{p, p, p, fp, p, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
+      {
+          {[](auto&, auto& a) { a.dy_pool = nullptr; }, "dy_pool must be non-null"},
+          {[](auto&, auto& a) { a.w2 = nullptr; }, "w2 must be non-null"},
+          {[](auto&, auto& a) { a.z_pool = nullptr; }, "z_pool must be non-null"},
+          {[](auto&, auto& a) { a.p_pool = nullptr; }, "p_pool must be non-null"},
+          {[](auto&, auto& a) { a.dz = nullptr; }, "dz must be non-null"},
+          {[](auto&, auto& a) { a.hp = nullptr; }, "hp must be non-null"},
+          {[](auto&, auto& a) { a.dp_partial = nullptr; }, "dp_partial must be non-null"},
+          {[](auto& pl, auto&) { pl.block_expert = nullptr; },
+           "the plan's block_expert and num_blocks must be non-null"},
+          {[](auto&, auto& a) { a.intermediate = 200; }, "intermediate must be a positive multiple of 128, got 200"},
+          {[](auto&, auto& a) { a.hidden = 96; }, "hidden must be a positive multiple of 128, got 96"},
+          {[](auto&, auto& a) { a.z_pool = check_buf + 4; }, "z_pool must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.dp_partial = reinterpret_cast<float*>(check_buf) + 1; },
+           "dp_partial must be 16-byte aligned"},
+          {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          {[](auto& pl, auto& a) {  // 4096 experts x 2^20 rows (K = hidden) of w2
+             pl.shape.num_experts = pl.shape.num_local_experts = 4096;
+             a.hidden = 1 << 20;
+           },
+           "the rows of w2 = 4294967296 exceeds the 32-bit row range"},
+          {[](auto&, auto& a) { a.activation = 1; }, "unknown activation 1"},
+      });
 }
 
 TEST(DpReduceValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  auto* fp = reinterpret_cast<float*>(buf);
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  expect_rejected(megamoe_dp_reduce(fp, ip, fp, -1, 256, 4, nullptr), "num_routes must be >= 0");
-  expect_rejected(megamoe_dp_reduce(fp, ip, fp, 8, 200, 4, nullptr),
-                  "intermediate must be a positive multiple of 128, got 200");
-  expect_rejected(megamoe_dp_reduce(fp, ip, fp, 8, 256, -1, nullptr), "max_blocks must be >= 0");
-  expect_rejected(megamoe_dp_reduce(nullptr, ip, fp, 8, 256, 4, nullptr),
-                  "dp_partial, route_to_slot and dp must be non-null");
-  EXPECT_EQ(megamoe_dp_reduce(nullptr, nullptr, nullptr, 0, 256, 4, nullptr), MEGAMOE_OK) << "no routes: a no-op";
+  using Args = megamoe_dp_reduce_args;
+  auto* fp = reinterpret_cast<float*>(check_buf);
+  const char* null_message = "dp_partial, dp and the plan's route_to_slot must be non-null";
+  expect_rejections<Args>(megamoe_dp_reduce, unread_plan(), Args{fp, fp, 256},
+                          {
+                              {[](auto& pl, auto&) { pl.shape.num_tokens = -1; }, "num_tokens must be >= 0"},
+                              {[](auto&, auto& a) { a.intermediate = 200; },
+                               "intermediate must be a positive multiple of 128, got 200"},
+                              {[](auto&, auto& a) { a.dp_partial = nullptr; }, null_message},
+                              {[](auto&, auto& a) { a.dp = nullptr; }, null_message},
+                              {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, null_message},
+                          });
+  megamoe_routing_plan no_routes{};  // T = 0: nothing to reduce, no array read
+  no_routes.shape = {0, 8, 2, 0, 2};
+  const Args nothing{nullptr, nullptr, 256};
+  EXPECT_EQ(megamoe_dp_reduce(&no_routes, &nothing, nullptr), MEGAMOE_OK) << "no routes: a no-op";
 }
 
 
@@ -336,11 +314,12 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   const std::vector<uint16_t> a = make(m), b = make(n);
   DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out16(out_count);
   DeviceBuffer<float> out32(out_count);
-  DeviceBuffer<int32_t> offsets(p.offsets.size()), counts(p.counts.size());
   a_dev.upload(a);
   b_dev.upload(b);
-  offsets.upload(p.offsets);
-  counts.upload(p.counts);
+  auto grad = [&](void* out, int32_t output) {
+    const megamoe_weight_grad_args args{a_dev.ptr, b_dev.ptr, out, m, n, output};
+    return megamoe_grouped_weight_grad_bf16(&d.plan, &args, nullptr);
+  };
 
   // Host reference per expert over its real rows (fp32 dots, rows padded to a multiple of 8).
   const std::vector<float> af = to_float(a), bf = to_float(b);
@@ -392,9 +371,7 @@ TEST_P(WeightGradTest, MatchesHostReference) {
 
   // bf16 out.
   ASSERT_EQ(cudaMemset(out16.ptr, 0xFF, out16.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out16.ptr, offsets.ptr, counts.ptr, d.max_blocks,
-                                             experts, m, n, 0, 0, nullptr),
-            MEGAMOE_OK)
+  ASSERT_EQ(grad(out16.ptr, MEGAMOE_GRAD_BF16), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> o16 = out16.download();
@@ -405,10 +382,7 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   }
   // fp32 out, overwrite (out poisoned with NaN).
   ASSERT_EQ(cudaMemset(out32.ptr, 0xFF, out32.count * 4), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
-                                             experts, m, n, 1, 0, nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
+  ASSERT_EQ(grad(out32.ptr, MEGAMOE_GRAD_FP32), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> o32 = out32.download();
   check(std::vector<double>(o32.begin(), o32.end()), {}, "fp32");
@@ -416,17 +390,12 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   std::vector<float> base(out_count);
   for (auto& v : base) v = dist(rng);
   out32.upload(base);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
-                                             experts, m, n, 1, 1, nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
+  ASSERT_EQ(grad(out32.ptr, MEGAMOE_GRAD_FP32_ADD), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> acc = out32.download();
   check(std::vector<double>(acc.begin(), acc.end()), base, "fp32 accumulate");
   // Deterministic: the same bits again.
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a_dev.ptr, b_dev.ptr, out32.ptr, offsets.ptr, counts.ptr, d.max_blocks,
-                                             experts, m, n, 1, 0, nullptr),
-            MEGAMOE_OK);
+  ASSERT_EQ(grad(out32.ptr, MEGAMOE_GRAD_FP32), MEGAMOE_OK);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> again = out32.download();
   EXPECT_EQ(std::memcmp(again.data(), o32.data(), o32.size() * 4), 0) << "not deterministic";
@@ -435,62 +404,53 @@ TEST_P(WeightGradTest, MatchesHostReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, WeightGradTest, ::testing::ValuesIn(weight_grad_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// No pool rows at all: every expert is empty, so out is all zeros (no operand is read).
+// No pool rows at all (a plan with no tokens): every expert is empty, so out is all zeros (no operand
+// is read).
 TEST(WeightGrad, EmptyPoolWritesZeros) {
   if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
   const int experts = 3, m = 256, n = 128;
-  DeviceBuffer<uint16_t> a(128 * m), b(128 * n);
+  DevicePlan d(megamoe_routing_shape{0, 2, experts, 0, experts});
+  const Plan p = build_plan({}, d);
+  ASSERT_EQ(p.offsets, std::vector<int32_t>(experts + 1, 0));
+  ASSERT_EQ(p.counts, std::vector<int32_t>(experts, 0));
+  const int64_t rows = d.max_blocks * MEGAMOE_BLOCK_M;
+  DeviceBuffer<uint16_t> a(rows * m), b(rows * n);
   DeviceBuffer<float> out(int64_t(experts) * m * n);
-  DeviceBuffer<int32_t> offsets(experts + 1), counts(experts);
-  offsets.upload({0, 0, 0, 0});
-  counts.upload({0, 0, 0});
   ASSERT_EQ(cudaMemset(out.ptr, 0xFF, out.count * 4), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(a.ptr, b.ptr, out.ptr, offsets.ptr, counts.ptr, 0, experts, m, n, 1, 0,
-                                             nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
+  const megamoe_weight_grad_args args{a.ptr, b.ptr, out.ptr, m, n, MEGAMOE_GRAD_FP32};
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(&d.plan, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto o = out.download();
   EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return v == 0.f; }));
 }
 
 TEST(WeightGradValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* a;
-    const void* b;
-    void* out;
-    const int32_t* offsets;
-    const int32_t* counts;
-    int64_t max_blocks;
-    int32_t experts, m, n, fp32, accumulate;
-    const char* message;
-  };
-  const char* null_msg = "a_pool, b_pool, out, expert_offsets and expert_counts must be non-null";
-  const Bad bad[] = {
-      {nullptr, p, p, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, nullptr, p, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, nullptr, ip, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, p, nullptr, ip, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, p, ip, nullptr, 4, 2, 256, 256, 1, 0, null_msg},
-      {p, p, p, ip, ip, 4, 2, 0, 256, 1, 0, "m must be a positive multiple of 128, got 0"},
-      {p, p, p, ip, ip, 4, 2, 256, 192, 1, 0, "n must be a positive multiple of 128, got 192"},
-      {p, p, p, ip, ip, 4, 0, 256, 256, 1, 0, "num_local_experts must be >= 1"},
-      {p, p, p, ip, ip, -1, 2, 256, 256, 1, 0, "max_blocks must be >= 0"},
-      {p, p, p, ip, ip, int64_t(1) << 25, 2, 256, 256, 1, 0, "exceeds the 32-bit row range"},
-      {p, p, p, ip, ip, 4, 4096, 1 << 20, 256, 1, 0, "num_local_experts * m exceeds"},
-      {p, p, p, ip, ip, 4, 2, 256, 256, 2, 0, "out_fp32 must be 0 or 1"},
-      {p, p, p, ip, ip, 4, 2, 256, 256, 1, 3, "accumulate must be 0 or 1"},
-      {p, p, p, ip, ip, 4, 2, 256, 256, 0, 1, "accumulate = 1 needs out_fp32 = 1"},
-      {buf + 2, p, p, ip, ip, 4, 2, 256, 256, 1, 0, "a_pool, b_pool and out must be 16-byte aligned"},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_weight_grad_bf16(x.a, x.b, x.out, x.offsets, x.counts, x.max_blocks, x.experts,
-                                                     x.m, x.n, x.fp32, x.accumulate, nullptr),
-                    x.message);
-  }
+  using Args = megamoe_weight_grad_args;
+  void* p = check_buf;
+  const char* plan_arrays = "the plan's expert_offsets and expert_counts must be non-null";
+  expect_rejections<Args>(
+      megamoe_grouped_weight_grad_bf16, unread_plan(), Args{p, p, p, 256, 256, MEGAMOE_GRAD_FP32},
+      {
+          {[](auto&, auto& a) { a.a_pool = nullptr; }, "a_pool must be non-null"},
+          {[](auto&, auto& a) { a.b_pool = nullptr; }, "b_pool must be non-null"},
+          {[](auto&, auto& a) { a.out = nullptr; }, "out must be non-null"},
+          {[](auto& pl, auto&) { pl.expert_offsets = nullptr; }, plan_arrays},
+          {[](auto& pl, auto&) { pl.expert_counts = nullptr; }, plan_arrays},
+          {[](auto&, auto& a) { a.m = 0; }, "m must be a positive multiple of 128, got 0"},
+          {[](auto&, auto& a) { a.n = 192; }, "n must be a positive multiple of 128, got 192"},
+          {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          {[](auto& pl, auto& a) {
+             pl.shape.num_experts = pl.shape.num_local_experts = 4096;
+             a.m = 1 << 20;
+           },
+           "num_local_experts * m (the rows of out) = 4294967296 exceeds"},
+          {[](auto&, auto& a) { a.output = 3; },
+           "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got 3"},
+          {[](auto&, auto& a) { a.output = -1; },
+           "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got -1"},
+          {[](auto&, auto& a) { a.a_pool = check_buf + 2; }, "a_pool must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.out = check_buf + 8; }, "out must be 16-byte aligned"},
+      });
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "megamoe/megamoe.h"
@@ -83,19 +85,21 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
       slot_to_route(capacity), block_expert(max_blocks);
   int32_t num_blocks = 0, num_invalid = 0;
   megamoe_routing_plan host_plan{counts.data(), offsets.data(), route_to_slot.data(), slot_to_route.data(),
-                                 block_expert.data(), &num_blocks, &num_invalid, nullptr};
-  ASSERT_EQ(megamoe_build_routing_host(p.ids.data(), &shape, &host_plan), MEGAMOE_OK);
+                                 block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
+  ASSERT_EQ(megamoe_build_routing_host(p.ids.data(), &host_plan), MEGAMOE_OK);
 
+  // The arrays dispatch and combine read, on the device.
+  megamoe_routing_plan plan{};
+  plan.shape = shape;
+  plan.slot_to_route = to_device(slot_to_route);
+  plan.route_to_slot = to_device(route_to_slot);
+  plan.num_blocks = to_device(std::vector<int32_t>{num_blocks});
   auto* d_x = to_device(p.x);
-  auto* d_slot_to_route = to_device(slot_to_route);
-  auto* d_route_to_slot = to_device(route_to_slot);
-  auto* d_num_blocks = to_device(std::vector<int32_t>{num_blocks});
   auto* d_weights = to_device(p.weights);
   auto* d_pool = to_device(std::vector<uint16_t>(capacity * hidden, kPoison));
   auto* d_weights_pool = to_device(std::vector<float>(capacity, -7.f));
-  ASSERT_EQ(megamoe_dispatch_bf16(d_x, d_pool, d_route_to_slot, d_slot_to_route, d_num_blocks, p.tokens,
-                                  max_blocks, p.top_k, hidden, d_weights, d_weights_pool, nullptr),
-            MEGAMOE_OK) << megamoe_last_error();
+  const megamoe_dispatch_args dispatch{d_x, d_pool, d_weights, d_weights_pool, hidden};
+  ASSERT_EQ(megamoe_dispatch_bf16(&plan, &dispatch, nullptr), MEGAMOE_OK) << megamoe_last_error();
   const auto pool = to_host(d_pool, capacity * hidden);
   const auto weights_pool = to_host(d_weights_pool, capacity);
   for (int64_t row = 0; row < capacity; ++row) {
@@ -120,8 +124,8 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   }
   auto* d_routed = to_device(routed);
   auto* d_y = to_device(std::vector<uint16_t>(p.tokens * hidden, kPoison));
-  ASSERT_EQ(megamoe_combine_bf16(d_routed, d_weights, d_route_to_slot, d_y, p.tokens, p.top_k, hidden, nullptr),
-            MEGAMOE_OK) << megamoe_last_error();
+  const megamoe_combine_args combine{d_routed, d_weights, d_y, hidden};
+  ASSERT_EQ(megamoe_combine_bf16(&plan, &combine, nullptr), MEGAMOE_OK) << megamoe_last_error();
   const auto y = to_host(d_y, p.tokens * hidden);
   for (int64_t t = 0; t < p.tokens; ++t) {
     for (int c = 0; c < hidden; ++c) {
@@ -133,8 +137,8 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
       ASSERT_EQ(y[t * hidden + c], float_to_bf16(acc)) << "token " << t << " col " << c;  // same order, same rounding
     }
   }
-  for (void* ptr : std::initializer_list<void*>{d_x, d_slot_to_route, d_route_to_slot, d_num_blocks, d_weights,
-                                                d_pool, d_weights_pool, d_routed, d_y}) {
+  for (void* ptr : std::initializer_list<void*>{d_x, plan.slot_to_route, plan.route_to_slot, plan.num_blocks,
+                                                d_weights, d_pool, d_weights_pool, d_routed, d_y}) {
     cudaFree(ptr);
   }
 }
@@ -143,66 +147,115 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
 INSTANTIATE_TEST_SUITE_P(HiddenSizes, DispatchCombineTest, ::testing::Values(256, 2048, 4096));
 
 TEST(DispatchCombineValidation, RejectsBadArguments) {
-  alignas(16) static uint16_t buf[64];
-  int32_t ints[8] = {};
-  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 4104, nullptr, nullptr, nullptr),
-                  "at most 4096");
-  expect_rejected(megamoe_dispatch_bf16(buf + 1, buf, ints, ints, ints, 1, 1, 1, 64, nullptr, nullptr, nullptr),
-                  "16-byte aligned");
-  expect_rejected(megamoe_dispatch_bf16(buf, buf, ints, ints, ints, 1, 1, 1, 64, reinterpret_cast<float*>(ints),
-                                        nullptr, nullptr),
-                  "go together");
-  EXPECT_EQ(megamoe_combine_bf16(buf, nullptr, ints, buf, 4, 2, 64, nullptr), MEGAMOE_ERROR_INVALID_ARGUMENT);
-  expect_rejected(megamoe_combine_bf16(buf, reinterpret_cast<float*>(ints), ints, buf, 4, 2, 60, nullptr),
-                  "multiple of 8");
-  EXPECT_EQ(megamoe_combine_bf16(nullptr, nullptr, nullptr, nullptr, 0, 2, 64, nullptr), MEGAMOE_OK);  // T = 0
+  using Dispatch = megamoe_dispatch_args;
+  using Combine = megamoe_combine_args;
+  void* p = check_buf;
+  const auto* fp = reinterpret_cast<const float*>(check_buf);
+  const char* dispatch_null = "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null";
+  expect_rejections<Dispatch>(
+      megamoe_dispatch_bf16, unread_plan({1, 1, 1, 0, 1}), Dispatch{p, p, nullptr, nullptr, 64},
+      {
+          {[](auto&, auto& a) { a.hidden = 4104; }, "at most 4096"},
+          {[](auto&, auto& a) { a.hidden = 60; }, "hidden size 60 must be a positive multiple of 8"},
+          {[](auto&, auto& a) { a.x = check_buf + 2; }, "x and pool must be 16-byte aligned"},
+          {[=](auto&, auto& a) { a.weights = fp; }, "weights and weights_pool go together"},
+          {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
+          {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, dispatch_null},
+          {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, dispatch_null},
+      });
+
+  const char* combine_null = "routed, topk_weights, y and the plan's route_to_slot must be non-null";
+  expect_rejections<Combine>(
+      megamoe_combine_bf16, unread_plan({4, 2, 2, 0, 2}), Combine{p, fp, p, 64},
+      {
+          {[](auto&, auto& a) { a.topk_weights = nullptr; }, combine_null},
+          {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, combine_null},
+          {[](auto&, auto& a) { a.hidden = 60; }, "multiple of 8"},
+          {[](auto&, auto& a) { a.y = check_buf + 8; }, "routed and y must be 16-byte aligned"},
+      });
+  megamoe_routing_plan no_tokens{};  // T = 0: nothing to combine, no array read
+  no_tokens.shape = {0, 2, 2, 0, 2};
+  const Combine nothing{nullptr, nullptr, nullptr, 64};
+  EXPECT_EQ(megamoe_combine_bf16(&no_tokens, &nothing, nullptr), MEGAMOE_OK) << megamoe_last_error();
 }
 
 // Expert parallelism's pull kernels: argument checks run before any CUDA call (no GPU needed).
 TEST(PeersValidation, RejectsBadArguments) {
-  alignas(16) static uint16_t buf[64];
-  int32_t ints[8] = {};
-  const void* x[2] = {buf, buf};
+  using Dispatch = megamoe_dispatch_peers_args;
+  using Combine = megamoe_combine_peers_args;
+  const auto* ints = reinterpret_cast<const int32_t*>(check_buf);
+  const auto* weights = reinterpret_cast<const float*>(check_buf);
+  const void* x[2] = {check_buf, check_buf};
+  const void* missing[2] = {check_buf, nullptr};
   const int64_t offsets[3] = {0, 8, 12};  // K = 4: 2 tokens on rank 0, 1 on rank 1
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 0, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
-                  "world must be in");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, MEGAMOE_MAX_PEERS + 1, buf, ints, ints, 1, 4, 64, nullptr,
-                                              nullptr, nullptr),
-                  "world must be in");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 3, 64, nullptr, nullptr, nullptr),
-                  "ascend by multiples of top_k");
   const int64_t descending[3] = {0, 8, 4};
-  expect_rejected(megamoe_dispatch_peers_bf16(x, descending, 2, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
-                  "ascend by multiples of top_k");
-  const void* missing[2] = {buf, nullptr};
-  expect_rejected(
-      megamoe_dispatch_peers_bf16(missing, offsets, 2, buf, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
-      "x_peers[1] must be 16-byte aligned and non-null");
-  const int64_t empty_rank1[3] = {0, 8, 8};  // rank 1 has no tokens: its x may be null
-  EXPECT_EQ(megamoe_dispatch_peers_bf16(missing, empty_rank1, 2, buf, ints, ints, 0, 4, 64, nullptr, nullptr, nullptr),
-            MEGAMOE_OK)
-      << megamoe_last_error();
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 60, nullptr, nullptr, nullptr),
-                  "multiple of 8");
-  expect_rejected(megamoe_dispatch_peers_bf16(x, offsets, 2, nullptr, ints, ints, 1, 4, 64, nullptr, nullptr, nullptr),
-                  "non-null");
-  const float* weights_peers[2] = {reinterpret_cast<const float*>(ints), nullptr};
-  auto* weights_pool = reinterpret_cast<float*>(ints);
-  expect_rejected(
-      megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 64, weights_peers, nullptr, nullptr),
-      "go together");
-  expect_rejected(
-      megamoe_dispatch_peers_bf16(x, offsets, 2, buf, ints, ints, 1, 4, 64, weights_peers, weights_pool, nullptr),
-      "weights_peers[1] must be non-null");
+  const int64_t shifted[3] = {4, 8, 12};
+  const float* weights_peers[2] = {weights, nullptr};
+  auto* weights_pool = reinterpret_cast<float*>(check_buf);
+  // The owner's plan covers every rank's routes: T = 3 tokens of K = 4.
+  const megamoe_routing_plan plan = unread_plan({3, 4, 2, 0, 2});
+  const char* dispatch_null =
+      "x_peers, route_offsets, pool and the plan's slot_to_route and num_blocks must be non-null";
+  expect_rejections<Dispatch>(
+      megamoe_dispatch_peers_bf16, plan, Dispatch{x, offsets, nullptr, check_buf, nullptr, 2, 64},
+      {
+          {[](auto&, auto& a) { a.world = 0; }, "world must be in"},
+          {[](auto&, auto& a) { a.world = MEGAMOE_MAX_PEERS + 1; }, "world must be in"},
+          {[](auto& pl, auto&) { pl.shape.top_k = 3; }, "ascend by multiples of top_k"},
+          {[&](auto&, auto& a) { a.route_offsets = descending; }, "ascend by multiples of top_k"},
+          {[&](auto&, auto& a) { a.route_offsets = shifted; }, "route_offsets[0] must be 0"},
+          {[](auto& pl, auto&) { pl.shape.num_tokens = 2; }, "route_offsets[world] must be the plan's T * K"},
+          {[&](auto&, auto& a) { a.x_peers = missing; }, "x_peers[1] must be 16-byte aligned and non-null"},
+          {[](auto&, auto& a) { a.hidden = 60; }, "multiple of 8"},
+          {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
+          {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, dispatch_null},
+          {[&](auto&, auto& a) { a.weights_peers = weights_peers; }, "go together"},
+          {[&](auto&, auto& a) {
+             a.weights_peers = weights_peers;
+             a.weights_pool = weights_pool;
+           },
+           "weights_peers[1] must be non-null"},
+      });
+
+  // Rank 1 has no tokens: its x may be null. Validation passes it; the kernel then runs over the
+  // plan's pool (num_blocks 0 here: nothing to copy), so with a GPU the plan is on the device, and
+  // without one it is the launch that fails.
+  {
+    const int64_t empty_rank1[3] = {0, 8, 8};
+    megamoe_routing_plan tokenless = unread_plan({2, 4, 2, 0, 2});
+    Dispatch args{missing, empty_rank1, nullptr, check_buf, nullptr, 2, 64};
+    if (cuda_devices() == 0) {
+      EXPECT_EQ(megamoe_dispatch_peers_bf16(&tokenless, &args, nullptr), MEGAMOE_ERROR_CUDA) << megamoe_last_error();
+    } else {
+      const int64_t rows = megamoe_routing_capacity(&tokenless.shape);
+      tokenless.slot_to_route = to_device(std::vector<int32_t>(rows, -1));
+      tokenless.num_blocks = to_device(std::vector<int32_t>{0});
+      args.pool = to_device(std::vector<uint16_t>(rows * args.hidden, kPoison));
+      EXPECT_EQ(megamoe_dispatch_peers_bf16(&tokenless, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (void* ptr : std::initializer_list<void*>{tokenless.slot_to_route, tokenless.num_blocks, args.pool}) {
+        cudaFree(ptr);
+      }
+    }
+  }
 
   const int32_t* slots[2] = {ints, ints};
-  const auto* weights = reinterpret_cast<const float*>(ints);
-  expect_rejected(megamoe_combine_peers_bf16(x, slots, 2, weights, 0, buf, 2, 0, 64, nullptr), "top_k must be >= 1");
-  expect_rejected(megamoe_combine_peers_bf16(missing, slots, 2, weights, 0, buf, 2, 4, 64, nullptr),
-                  "out_peers[1] and route_to_slot_peers[1] must be non-null");
-  expect_rejected(megamoe_combine_peers_bf16(x, slots, 2, weights, 0, buf + 1, 2, 4, 64, nullptr), "16-byte aligned");
-  EXPECT_EQ(megamoe_combine_peers_bf16(nullptr, nullptr, 2, nullptr, 0, nullptr, 0, 4, 64, nullptr), MEGAMOE_OK)
-      << "a rank without tokens combines nothing";
+  const Combine combine{x, slots, weights, check_buf, 0, 2, 4, 2, 64};
+  expect_rejected(megamoe_combine_peers_bf16(nullptr, nullptr), "args must be non-null");
+  const std::pair<std::function<void(Combine&)>, const char*> bad_combine[] = {
+      {[](Combine& a) { a.top_k = 0; }, "top_k must be >= 1"},
+      {[](Combine& a) { a.world = 0; }, "world must be in"},
+      {[](Combine& a) { a.num_tokens = -1; }, "num_tokens and route_offset must be >= 0"},
+      {[&](Combine& a) { a.out_peers = missing; }, "out_peers[1] and route_to_slot_peers[1] must be non-null"},
+      {[](Combine& a) { a.y = check_buf + 8; }, "y must be 16-byte aligned"},
+  };
+  for (const auto& [change, message] : bad_combine) {
+    Combine a = combine;
+    change(a);
+    expect_rejected(megamoe_combine_peers_bf16(&a, nullptr), message);
+  }
+  const Combine no_tokens{nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 64};
+  EXPECT_EQ(megamoe_combine_peers_bf16(&no_tokens, nullptr), MEGAMOE_OK) << "a rank without tokens combines nothing";
 }
 
 }  // namespace

@@ -66,23 +66,20 @@ std::vector<GemmCase> cases() {
 }
 
 // A case's routing plan, built on the GPU before each test (skipped without one): host copies in p,
-// block_expert and num_blocks on the device for the kernels.
+// the plan the kernels take in d->plan.
 class PoolGemmTest : public ::testing::TestWithParam<GemmCase> {
  protected:
   void SetUp() override {
     if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
     const GemmCase& c = GetParam();
-    const megamoe_routing_shape s{c.tokens, c.top_k, c.experts, 0, c.experts};
-    max_blocks = megamoe_routing_max_blocks(&s);
-    block_expert.emplace(max_blocks);
-    num_blocks.emplace(1);
-    DeviceBuffer<int32_t> slot_to_route(megamoe_routing_capacity(&s));
-    p = build_plan(s, make_ids(c), *block_expert, *num_blocks, slot_to_route);
+    d.emplace(megamoe_routing_shape{c.tokens, c.top_k, c.experts, 0, c.experts});
+    max_blocks = d->max_blocks;
+    p = build_plan(make_ids(c), *d);
     if (HasFailure()) GTEST_FAIL() << "building the routing plan failed";
   }
 
   int64_t max_blocks = 0;
-  std::optional<DeviceBuffer<int32_t>> block_expert, num_blocks;
+  std::optional<DevicePlan> d;
   Plan p;
 };
 
@@ -115,9 +112,8 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
   b_dev.upload(b);
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);  // kCPoison everywhere
 
-  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert->ptr, num_blocks->ptr,
-                                      max_blocks, n, k, c.experts, nullptr),
-            MEGAMOE_OK)
+  const megamoe_gemm_args args{a_dev.ptr, b_dev.ptr, c_dev.ptr, n, k};
+  ASSERT_EQ(megamoe_grouped_gemm_bf16(&d->plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> out = c_dev.download();
@@ -142,10 +138,10 @@ TEST_P(GroupedGemmTest, MatchesHostReference) {
   // the others bit-identical (the kernel is deterministic).
   DeviceBuffer<int32_t> fewer(1);
   fewer.upload({p.num_blocks - 1});
+  megamoe_routing_plan fewer_plan = d->plan;
+  fewer_plan.num_blocks = fewer.ptr;
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_bf16(a_dev.ptr, b_dev.ptr, c_dev.ptr, block_expert->ptr, fewer.ptr, max_blocks,
-                                      n, k, c.experts, nullptr),
-            MEGAMOE_OK)
+  ASSERT_EQ(megamoe_grouped_gemm_bf16(&fewer_plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> again = c_dev.download();
@@ -199,9 +195,8 @@ TEST_P(GroupedGemmFp8Test, MatchesHostReference) {
   a_scales_dev.upload(a_scales);
   b_scales_dev.upload(b_scales);
   ASSERT_EQ(cudaMemset(c_dev.ptr, 0xFF, c_dev.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_fp8(a_dev.ptr, a_scales_dev.ptr, b_dev.ptr, b_scales_dev.ptr, c_dev.ptr,
-                                     block_expert->ptr, num_blocks->ptr, max_blocks, n, k, c.experts, nullptr),
-            MEGAMOE_OK)
+  const megamoe_gemm_fp8_args args{a_dev.ptr, a_scales_dev.ptr, b_dev.ptr, b_scales_dev.ptr, c_dev.ptr, n, k};
+  ASSERT_EQ(megamoe_grouped_gemm_fp8(&d->plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> out = c_dev.download();
@@ -235,18 +230,19 @@ TEST_P(GroupedGemmFp8Test, MatchesHostReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, GroupedGemmFp8Test, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// A plan with no tokens: 3 pool blocks (one per local expert), none live.
 TEST(GroupedGemm, ZeroLiveBlocksWritesNothing) {
   if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
-  const int64_t max_blocks = 3;
+  DevicePlan d(megamoe_routing_shape{0, 1, 3, 0, 3});
+  const Plan p = build_plan({}, d);
+  ASSERT_EQ(p.num_blocks, 0);
+  ASSERT_EQ(p.block_expert, std::vector<int32_t>(3, -1));
+  const int64_t max_blocks = d.max_blocks;
   const int n = 256, k = 128;
-  DeviceBuffer<uint16_t> a(max_blocks * 128 * k), b(n * k), c(max_blocks * 128 * n);
-  DeviceBuffer<int32_t> block_expert(max_blocks), num_blocks(1);
-  block_expert.upload({-1, -1, -1});
-  num_blocks.upload({0});
+  DeviceBuffer<uint16_t> a(max_blocks * 128 * k), b(3 * n * k), c(max_blocks * 128 * n);
   ASSERT_EQ(cudaMemset(c.ptr, 0xFF, c.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_bf16(a.ptr, b.ptr, c.ptr, block_expert.ptr, num_blocks.ptr, max_blocks, n, k, 1,
-                                      nullptr),
-            MEGAMOE_OK)
+  const megamoe_gemm_args args{a.ptr, b.ptr, c.ptr, n, k};
+  ASSERT_EQ(megamoe_grouped_gemm_bf16(&d.plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = c.download();
@@ -256,67 +252,97 @@ TEST(GroupedGemm, ZeroLiveBlocksWritesNothing) {
 // Validation happens before any CUDA call, so these run without a GPU. The pointers are never
 // dereferenced.
 TEST(GroupedGemmValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* a;
-    const void* b;
-    void* c;
-    const int32_t* block_expert;
-    const int32_t* num_blocks;
-    int64_t max_blocks;
-    int32_t n, k, experts;
-    const char* message;
-  };
-  const Bad bad[] = {
-      {nullptr, p, p, ip, ip, 4, 256, 256, 2, "a, b and c must be non-null"},
-      {p, nullptr, p, ip, ip, 4, 256, 256, 2, "a, b and c must be non-null"},
-      {p, p, nullptr, ip, ip, 4, 256, 256, 2, "a, b and c must be non-null"},
-      {p, p, p, nullptr, ip, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
-      {p, p, p, ip, nullptr, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
-      {p, p, p, ip, ip, 4, 0, 256, 2, "n must be a positive multiple of 128, got 0"},
-      {p, p, p, ip, ip, 4, 100, 256, 2, "n must be a positive multiple of 128, got 100"},
-      {p, p, p, ip, ip, 4, -128, 256, 2, "n must be a positive multiple of 128, got -128"},
-      {p, p, p, ip, ip, 4, 256, 0, 2, "k must be a positive multiple of 128, got 0"},
-      {p, p, p, ip, ip, 4, 256, 96, 2, "k must be a positive multiple of 128, got 96"},
-      {p, p, p, ip, ip, 4, 256, 256, 0, "num_local_experts must be >= 1"},
-      {p, p, p, ip, ip, -1, 256, 256, 2, "max_blocks must be >= 0"},
-      {buf + 2, p, p, ip, ip, 4, 256, 256, 2, "16-byte aligned"},
-      {p, p, buf + 8, ip, ip, 4, 256, 256, 2, "16-byte aligned"},
-      {p, p, p, ip, ip, int64_t(1) << 25, 256, 256, 2, "exceeds the 32-bit row range"},
-      {p, p, p, ip, ip, 4, 1 << 20, 256, 4096, "num_local_experts * n exceeds"},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_gemm_bf16(x.a, x.b, x.c, x.block_expert, x.num_blocks, x.max_blocks, x.n, x.k,
-                                              x.experts, nullptr),
-                    x.message);
-  }
+  using Args = megamoe_gemm_args;
+  void* p = check_buf;
+  const char* plan_arrays = "the plan's block_expert and num_blocks must be non-null";
+  expect_rejections<Args>(
+      megamoe_grouped_gemm_bf16, unread_plan(), Args{p, p, p, 256, 256},
+      {
+          {[](auto&, auto& a) { a.a = nullptr; }, "a must be non-null"},
+          {[](auto&, auto& a) { a.b = nullptr; }, "b must be non-null"},
+          {[](auto&, auto& a) { a.c = nullptr; }, "c must be non-null"},
+          {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
+          {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, plan_arrays},
+          {[](auto&, auto& a) { a.n = 0; }, "n must be a positive multiple of 128, got 0"},
+          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 128, got 100"},
+          {[](auto&, auto& a) { a.n = -128; }, "n must be a positive multiple of 128, got -128"},
+          {[](auto&, auto& a) { a.k = 0; }, "k must be a positive multiple of 128, got 0"},
+          {[](auto&, auto& a) { a.k = 96; }, "k must be a positive multiple of 128, got 96"},
+          {[](auto&, auto& a) { a.a = check_buf + 2; }, "a must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.c = check_buf + 8; }, "c must be 16-byte aligned"},
+          {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          // 2^22 + 2 blocks (T = 2^29) x 1024 n-tiles: the tile counter's 32 bits.
+          {[](auto& pl, auto& a) {
+             pl.shape.num_tokens = 1 << 29;
+             pl.shape.top_k = 1;
+             a.n = 1 << 17;
+           },
+           "the plan's blocks x n-tiles = 4294969344 exceeds"},
+          {[](auto& pl, auto& a) {
+             pl.shape.num_experts = pl.shape.num_local_experts = 4096;
+             a.n = 1 << 20;
+           },
+           "the rows of b = 4294967296 exceeds the 32-bit row range"},
+      });
 }
 
 TEST(GroupedGemmValidation, Fp8RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  const auto* fp = reinterpret_cast<const float*>(buf);
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  expect_rejected(megamoe_grouped_gemm_fp8(p, nullptr, p, fp, p, ip, ip, 4, 256, 256, 2, nullptr),
-                  "a, a_scales, b, b_scales and c must be non-null");
-  expect_rejected(megamoe_grouped_gemm_fp8(p, fp, p, nullptr, p, ip, ip, 4, 256, 256, 2, nullptr),
-                  "a, a_scales, b, b_scales and c must be non-null");
-  expect_rejected(megamoe_grouped_gemm_fp8(p, fp, p, fp, p, ip, ip, 4, 256, 192, 2, nullptr),
-                  "k must be a positive multiple of 128, got 192");
-  expect_rejected(megamoe_grouped_gemm_fp8(p, reinterpret_cast<const float*>(buf + 4), p, fp, p, ip, ip, 4, 256,
-                                           256, 2, nullptr),
-                  "16-byte aligned");
-  EXPECT_EQ(megamoe_grouped_gemm_fp8(p, fp, p, fp, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
-      << megamoe_last_error();
+  using Args = megamoe_gemm_fp8_args;
+  void* p = check_buf;
+  const auto* fp = reinterpret_cast<const float*>(check_buf);
+  expect_rejections<Args>(
+      megamoe_grouped_gemm_fp8, unread_plan(), Args{p, fp, p, fp, p, 256, 256},
+      {
+          {[](auto&, auto& a) { a.a_scales = nullptr; }, "a_scales must be non-null"},
+          {[](auto&, auto& a) { a.b_scales = nullptr; }, "b_scales must be non-null"},
+          {[](auto&, auto& a) { a.a = nullptr; }, "a must be non-null"},
+          {[](auto&, auto& a) { a.c = nullptr; }, "c must be non-null"},
+          {[](auto&, auto& a) { a.k = 192; }, "k must be a positive multiple of 128, got 192"},
+          {[](auto&, auto& a) { a.a_scales = reinterpret_cast<const float*>(check_buf + 4); },
+           "a_scales must be 16-byte aligned"},
+      });
 }
 
+// A plan with no tokens has no live block (its pool still has one block per local expert): every
+// pool GEMM accepts it and writes nothing. num_blocks is read on the device, so this needs a GPU.
 TEST(GroupedGemmValidation, EmptyPoolIsANoOp) {
-  alignas(16) static char buf[64];
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  EXPECT_EQ(megamoe_grouped_gemm_bf16(buf, buf, buf, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
-      << megamoe_last_error();
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  DevicePlan d(megamoe_routing_shape{0, 2, 2, 0, 2});
+  const Plan plan = build_plan({}, d);
+  ASSERT_EQ(plan.num_blocks, 0);
+  const int n = 256, k = 256, experts = 2;
+  const int64_t rows = d.max_blocks * MEGAMOE_BLOCK_M;
+  // Inputs (never read) and outputs (all must stay kCPoison), sized for the largest use.
+  DeviceBuffer<uint16_t> in(std::max(rows, int64_t(experts) * 2 * n) * 2 * k), out(rows * 2 * n), out2(rows * 2 * n);
+  DeviceBuffer<float> scales(rows * (k / 128)), dp_partial(rows * MEGAMOE_DP_PARTIAL_COLS(n));
+  void* x = in.ptr;
+  const float* f = scales.ptr;
+  auto expect_no_op = [&](const char* what, int status) {
+    EXPECT_EQ(status, MEGAMOE_OK) << what << ": " << megamoe_last_error();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    const std::vector<uint16_t> o = out.download(), o2 = out2.download();
+    const std::vector<float> dpp = dp_partial.download();
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](uint16_t v) { return v == kCPoison; })) << what << " wrote";
+    EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](uint16_t v) { return v == kCPoison; })) << what << " wrote";
+    EXPECT_TRUE(std::all_of(dpp.begin(), dpp.end(), [](float v) { return std::isnan(v); })) << what << " wrote";
+  };
+  ASSERT_EQ(cudaMemset(out.ptr, 0xFF, out.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(out2.ptr, 0xFF, out2.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dp_partial.ptr, 0xFF, dp_partial.count * 4), cudaSuccess);
+
+  const megamoe_gemm_args gemm{x, x, out.ptr, n, k};
+  expect_no_op("bf16", megamoe_grouped_gemm_bf16(&d.plan, &gemm, nullptr));
+  const megamoe_gemm_fp8_args fp8{x, f, x, f, out.ptr, n, k};
+  expect_no_op("fp8", megamoe_grouped_gemm_fp8(&d.plan, &fp8, nullptr));
+  const megamoe_gated_gemm_args gated{x, x, out.ptr, out2.ptr, n, k, MEGAMOE_ACTIVATION_SWIGLU};
+  expect_no_op("gated", megamoe_grouped_gemm_gated_bf16(&d.plan, &gated, nullptr));
+  const megamoe_gated_backward_args backward{x, x, x, f, out2.ptr, out.ptr, dp_partial.ptr, n, k,
+                                             MEGAMOE_ACTIVATION_SWIGLU};
+  expect_no_op("gated backward", megamoe_grouped_gemm_gated_backward_bf16(&d.plan, &backward, nullptr));
+  for (const int32_t layout : {MEGAMOE_B_N_BY_K, MEGAMOE_B_K_BY_N}) {
+    const megamoe_scatter_gemm_args scatter{x, x, out.ptr, nullptr, 8, n, k, layout};
+    expect_no_op("scatter", megamoe_grouped_gemm_scatter_bf16(&d.plan, &scatter, nullptr));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,9 +385,8 @@ TEST_P(SwigluTest, MatchesHostReference) {
   a_dev.upload(a);
   w_dev.upload(w13);
   ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);  // kCPoison everywhere
-  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, nullptr, d.block_expert.ptr,
-                                             d.num_blocks.ptr, d.max_blocks, inter, hidden, c.local_experts, nullptr),
-            MEGAMOE_OK)
+  megamoe_gated_gemm_args args{a_dev.ptr, w_dev.ptr, h_dev.ptr, nullptr, inter, hidden, MEGAMOE_ACTIVATION_SWIGLU};
+  ASSERT_EQ(megamoe_grouped_gemm_gated_bf16(&d.plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> out = h_dev.download();
@@ -391,9 +416,8 @@ TEST_P(SwigluTest, MatchesHostReference) {
   DeviceBuffer<uint16_t> z_dev(d.max_blocks * MEGAMOE_BLOCK_M * 2 * inter);
   ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);
   ASSERT_EQ(cudaMemset(z_dev.ptr, 0xFF, z_dev.count * 2), cudaSuccess);
-  ASSERT_EQ(megamoe_grouped_gemm_swiglu_bf16(a_dev.ptr, w_dev.ptr, h_dev.ptr, z_dev.ptr, d.block_expert.ptr,
-                                             d.num_blocks.ptr, d.max_blocks, inter, hidden, c.local_experts, nullptr),
-            MEGAMOE_OK)
+  args.z = z_dev.ptr;
+  ASSERT_EQ(megamoe_grouped_gemm_gated_bf16(&d.plan, &args, nullptr), MEGAMOE_OK)
       << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(h_dev.download() == out) << "h changed when z is kept";
@@ -410,57 +434,40 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(swiglu_cases())
 
 class ScatterTest : public FusedTest {};
 
-TEST_P(ScatterTest, EveryRouteRowWrittenOnce) { check_scatter(ScatterB::kNK); }  // w2 [E, N, K]
+TEST_P(ScatterTest, EveryRouteRowWrittenOnce) { check_scatter(MEGAMOE_B_N_BY_K); }  // w2 [E, N, K]
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ScatterTest, ::testing::ValuesIn(scatter_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // Validation happens before any CUDA call, so these run without a GPU.
 TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
-  alignas(16) static char buf[64];
-  void* p = buf;
-  const auto* ip = reinterpret_cast<const int32_t*>(buf);
-  struct Bad {
-    const void* a;
-    const void* w;
-    void* h;
-    const int32_t* block_expert;
-    int64_t max_blocks;
-    int32_t inter, hidden, experts;
-    const char* message;
-  };
-  const Bad bad[] = {
-      {nullptr, p, p, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
-      {p, nullptr, p, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
-      {p, p, nullptr, ip, 4, 256, 256, 2, "a, w13 and h must be non-null"},
-      {p, p, p, nullptr, 4, 256, 256, 2, "block_expert and num_blocks must be non-null"},
-      {p, p, p, ip, 4, 0, 256, 2, "intermediate must be a positive multiple of 128, got 0"},
-      {p, p, p, ip, 4, 200, 256, 2, "intermediate must be a positive multiple of 128, got 200"},
-      {p, p, p, ip, 4, 256, 96, 2, "hidden must be a positive multiple of 128, got 96"},
-      {p, p, p, ip, 4, 256, -128, 2, "hidden must be a positive multiple of 128, got -128"},
-      {p, p, p, ip, 4, 256, 256, 0, "num_local_experts must be >= 1"},
-      {p, p, p, ip, -1, 256, 256, 2, "max_blocks must be >= 0"},
-      {p, buf + 4, p, ip, 4, 256, 256, 2, "16-byte aligned"},
-      {p, p, p, ip, int64_t(1) << 25, 256, 256, 2, "exceeds the 32-bit row range"},
-      {p, p, p, ip, 4, 1 << 20, 256, 2048, "num_local_experts * 2 * intermediate exceeds"},
-  };
-  for (const auto& x : bad) {
-    expect_rejected(megamoe_grouped_gemm_swiglu_bf16(x.a, x.w, x.h, nullptr, x.block_expert, ip, x.max_blocks, x.inter,
-                                                     x.hidden, x.experts, nullptr),
-                    x.message);
-  }
-  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, buf + 4, ip, ip, 4, 256, 256, 2, nullptr),
-            MEGAMOE_ERROR_INVALID_ARGUMENT)
-      << "a misaligned z is rejected";
-  EXPECT_EQ(megamoe_grouped_gemm_swiglu_bf16(p, p, p, p, ip, ip, 0, 256, 256, 2, nullptr), MEGAMOE_OK)
-      << "an empty pool is a no-op: " << megamoe_last_error();
+  using Args = megamoe_gated_gemm_args;
+  void* p = check_buf;
+  const char* plan_arrays = "the plan's block_expert and num_blocks must be non-null";
+  expect_rejections<Args>(
+      megamoe_grouped_gemm_gated_bf16, unread_plan(), Args{p, p, p, nullptr, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
+      {
+          {[](auto&, auto& a) { a.a = nullptr; }, "a must be non-null"},
+          {[](auto&, auto& a) { a.w13 = nullptr; }, "w13 must be non-null"},
+          {[](auto&, auto& a) { a.h = nullptr; }, "h must be non-null"},
+          {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
+          {[](auto&, auto& a) { a.intermediate = 0; }, "intermediate must be a positive multiple of 128, got 0"},
+          {[](auto&, auto& a) { a.intermediate = 200; }, "intermediate must be a positive multiple of 128, got 200"},
+          {[](auto&, auto& a) { a.hidden = 96; }, "hidden must be a positive multiple of 128, got 96"},
+          {[](auto&, auto& a) { a.hidden = -128; }, "hidden must be a positive multiple of 128, got -128"},
+          {[](auto&, auto& a) { a.w13 = check_buf + 4; }, "w13 must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.z = check_buf + 4; }, "z must be 16-byte aligned"},
+          {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          {[](auto& pl, auto& a) {  // 2048 experts x 2 x 2^20 rows of w13
+             pl.shape.num_experts = pl.shape.num_local_experts = 2048;
+             a.intermediate = 1 << 20;
+           },
+           "the rows of w13 = 4294967296 exceeds the 32-bit row range"},
+          {[](auto&, auto& a) { a.activation = 1; }, "unknown activation 1"},
+          {[](auto&, auto& a) { a.activation = -1; }, "unknown activation -1"},
+      });
 }
 
-TEST(GroupedGemmScatterValidation, RejectsBadArguments) {
-  expect_scatter_rejections(megamoe_grouped_gemm_scatter_bf16,
-                            {"h, w2, out_rows and slot_to_route must be non-null",
-                             "h, w2 and out_rows must be 16-byte aligned", 1 << 20, 256,
-                             "num_local_experts * n exceeds"});
-}
+TEST(GroupedGemmScatterValidation, RejectsBadArguments) { expect_scatter_rejections(MEGAMOE_B_N_BY_K, 1 << 20, 256); }
 
 }  // namespace

@@ -22,17 +22,18 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct HostPlan {
+  megamoe_routing_shape shape;
   std::vector<int32_t> counts, offsets, route_to_slot, slot_to_route, block_expert;
   int32_t num_blocks = -1, num_invalid = -1;
 
   explicit HostPlan(const megamoe_routing_shape& s)
-      : counts(s.num_local_experts, -7), offsets(s.num_local_experts + 1, -7),
+      : shape(s), counts(s.num_local_experts, -7), offsets(s.num_local_experts + 1, -7),
         route_to_slot(s.num_tokens * s.top_k, -7), slot_to_route(megamoe_routing_capacity(&s), -7),
         block_expert(megamoe_routing_max_blocks(&s), -7) {}
 
   megamoe_routing_plan view() {
     return {counts.data(), offsets.data(), route_to_slot.data(), slot_to_route.data(),
-            block_expert.data(), &num_blocks, &num_invalid, nullptr};
+            block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
   }
 };
 
@@ -133,7 +134,7 @@ TEST_P(RoutingTest, HostPlanMatchesDefinition) {
   const Case& c = GetParam();
   HostPlan plan(c.shape);
   auto view = plan.view();
-  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &c.shape, &view), MEGAMOE_OK)
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &view), MEGAMOE_OK)
       << megamoe_last_error();
   expect_valid_plan(c, plan);
 }
@@ -160,7 +161,7 @@ TEST_P(RoutingTest, CudaPlanMatchesHost) {
   const auto& s = c.shape;
   HostPlan expected(s);
   auto expected_view = expected.view();
-  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &s, &expected_view), MEGAMOE_OK);
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &expected_view), MEGAMOE_OK);
 
   DeviceBuffer<int32_t> ids(c.ids.size()), counts(s.num_local_experts),
       offsets(s.num_local_experts + 1), route_to_slot(c.ids.size()),
@@ -172,8 +173,8 @@ TEST_P(RoutingTest, CudaPlanMatchesHost) {
   }
   megamoe_routing_plan plan{counts.ptr,       offsets.ptr,      route_to_slot.ptr,
                             slot_to_route.ptr, block_expert.ptr, scalars.ptr,
-                            scalars.ptr + 1,   workspace.ptr};
-  ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, &s, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+                            scalars.ptr + 1,   workspace.ptr,    s};
+  ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   EXPECT_EQ(counts.to_host(), expected.counts);
@@ -193,7 +194,7 @@ TEST(RoutingValidation, RejectsBadShapes) {
   std::vector<int32_t> buf(4096, 0);
   int32_t scalar[2];
   megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
-                            scalar,     scalar + 1, nullptr};
+                            scalar,     scalar + 1, buf.data(), {}};
   struct Bad {
     megamoe_routing_shape shape;
     const char* message;
@@ -205,9 +206,23 @@ TEST(RoutingValidation, RejectsBadShapes) {
       {{4, 8, 16, 0, 0}, "must lie inside"},
       {{int64_t(1) << 30, 8, 16, 0, 16}, "exceeds the 32-bit slot index range"},
   };
+  // The shape is checked before any CUDA call, so the CUDA plan rejects them without a GPU too.
   for (const auto& b : bad) {
-    expect_rejected(megamoe_build_routing_host(buf.data(), &b.shape, &plan), b.message);
+    plan.shape = b.shape;
+    expect_rejected(megamoe_build_routing_host(buf.data(), &plan), b.message);
+    expect_rejected(megamoe_build_routing_cuda(buf.data(), &plan, nullptr), b.message);
   }
+}
+
+TEST(RoutingValidation, RejectsNullPlan) {
+  const int32_t ids[8] = {};
+  expect_rejected(megamoe_build_routing_host(ids, nullptr), "routing: null plan");
+  expect_rejected(megamoe_build_routing_cuda(ids, nullptr, nullptr), "routing: null plan");
+  std::vector<int32_t> buf(4096, 0);
+  int32_t scalar[2];
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), nullptr,
+                            scalar,     scalar + 1, nullptr,    {4, 8, 16, 0, 16}};
+  expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
 }
 
 TEST(RoutingValidation, CapacityBoundsEveryRouting) {

@@ -12,10 +12,12 @@ namespace {
 template <int BlockN>
 int run_fp8(const PoolProblem& p, const megamoe_gemm_fp8_args& args, void* stream) {
   using Cfg = Fp8Config<BlockN>;
+  using Epi = PlainEpilogue<BlockN, Cfg>;
+  const PoolOperands operands{args.a, "a", args.b, "b", BRows{p.n, 0}};
+  MEGAMOE_RETURN_IF_ERROR(check_pool_gemm<Epi>(p, operands, {args.c}));  // before the scales' map (CUDA)
   typename Cfg::MainloopParams mainloop;
   MEGAMOE_RETURN_IF_ERROR(Cfg::to_params(p, {args.a_scales, args.b_scales}, &mainloop));
-  const PoolOperands operands{args.a, "a", args.b, "b", BRows{p.n, 0}};
-  return run_pool_gemm<PlainEpilogue<BlockN, Cfg>>(p, operands, {args.c}, stream, mainloop);
+  return run_pool_gemm<Epi>(p, operands, {args.c}, stream, mainloop);
 }
 
 }  // namespace

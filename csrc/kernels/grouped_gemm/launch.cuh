@@ -47,11 +47,24 @@ struct PoolOperands {
   BRows b_rows;
 };
 
+inline int64_t b_row_count(const PoolProblem& p, const PoolOperands& o) {
+  return int64_t(p.num_local_experts) * o.b_rows.rows_per_expert;
+}
+
+// Everything a pool GEMM checks of its arguments, before any CUDA call (so a bad argument is
+// reported as one, with or without a device): the operands, then the epilogue's can_implement.
+template <class Epi>
+int check_pool_gemm(const PoolProblem& p, const PoolOperands& o, const typename Epi::Arguments& args) {
+  MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{o.a, o.a_name}, {o.b, o.b_name}}));
+  MEGAMOE_RETURN_IF_ERROR(
+      check_row_range(p.fn, b_row_count(p, o), (std::string("the rows of ") + o.b_name).c_str()));
+  return Epi::can_implement(p, args);
+}
+
+// The operand maps of a checked problem (check_pool_gemm).
 template <class Cfg>
 int make_operand_maps(const PoolProblem& p, const PoolOperands& o, CUtensorMap* map_a, CUtensorMap* map_b) {
-  MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{o.a, o.a_name}, {o.b, o.b_name}}));
-  const int64_t b_rows = int64_t(p.num_local_experts) * o.b_rows.rows_per_expert;
-  MEGAMOE_RETURN_IF_ERROR(check_row_range(p.fn, b_rows, (std::string("the rows of ") + o.b_name).c_str()));
+  const int64_t b_rows = b_row_count(p, o);
   if constexpr (Cfg::kFp8) {
     MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
     return make_fp8_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
@@ -65,13 +78,14 @@ int make_operand_maps(const PoolProblem& p, const PoolOperands& o, CUtensorMap* 
   }
 }
 
-// A pool GEMM with epilogue policy Epi: whether the epilogue can run the problem, its parameters,
-// the operand maps and the pool scheduler's parameters, then the launch.
+// A pool GEMM with epilogue policy Epi: the checks (check_pool_gemm), the epilogue's parameters,
+// the operand maps and the pool scheduler's parameters, then the launch. A caller that builds
+// main-loop parameters (FP8) runs check_pool_gemm before it does.
 template <class Epi>
 int run_pool_gemm(const PoolProblem& p, const PoolOperands& operands, const typename Epi::Arguments& args,
                   void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
   using Cfg = typename Epi::Cfg;
-  MEGAMOE_RETURN_IF_ERROR(Epi::can_implement(p, args));
+  MEGAMOE_RETURN_IF_ERROR(check_pool_gemm<Epi>(p, operands, args));
   typename Epi::Params epi;
   MEGAMOE_RETURN_IF_ERROR(Epi::to_params(p, args, &epi));
   CUtensorMap map_a, map_b;
