@@ -25,12 +25,15 @@ class MoELayer(nn.Module):
     recompute (fused only): the experts keep only their inputs for the backward and recompute the
     rest there (`megamoe.moe(..., recompute=True)`): activation checkpointing of the experts, cheaper
     than wrapping them in torch.utils.checkpoint.
+
+    dtype (default torch.bfloat16, what backend='fused' computes in): the gate's and the experts'
+    parameters; forward takes hidden states of this dtype (the router's softmax runs in fp32).
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
                  *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
-                 device=None, dtype=None):
+                 device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -70,6 +73,11 @@ class MoELayer(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden_states.dtype != self.w13.dtype:
+            raise TypeError(
+                f"MoELayer got hidden_states in {hidden_states.dtype} but its parameters are {self.w13.dtype}; "
+                f"cast the input (hidden_states.to({self.w13.dtype})) or build the layer with "
+                f"dtype={hidden_states.dtype} (backend='fused' computes in torch.bfloat16)")
         x = hidden_states.reshape(-1, self.hidden_size)
         routing = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.expert_bias)
         if self.expert_bias is not None:

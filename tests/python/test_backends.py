@@ -76,6 +76,21 @@ def test_forward_and_gradients_match_reference(backend, case, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
+@pytest.mark.parametrize("case", ["t0", "all_masked"])
+def test_no_routed_tokens_give_zero_gradients(backend, case, device):
+    """Nothing routed (no tokens, or every route masked): the output still depends on every input,
+    so backward() runs and gives zero gradients of the inputs' shapes."""
+    x, ids, weights, w13, w2 = edge_case_inputs("t0" if case == "t0" else "balanced", SMALL, device)
+    ids.fill_(-1)
+    inputs = [leaf(t) for t in (x, weights, w13, w2)]
+    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend)
+    assert torch.all(y == 0)
+    y.float().sum().backward()
+    for name, t in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs):
+        assert t.grad is not None and t.grad.shape == t.shape and torch.all(t.grad == 0), name
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 def test_masked_routes_contribute_nothing(backend, device):
     x, ids, weights, w13, w2 = edge_case_inputs("balanced", SMALL, device)
     ids[:10] = -1

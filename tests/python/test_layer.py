@@ -120,9 +120,25 @@ def test_layer_recompute_reaches_the_fused_op(monkeypatch):
     layer = megamoe.MoELayer(64, 32, 4, 2, backend="fused", recompute=True)
     calls = []
     monkeypatch.setattr(megamoe.layer, "moe", lambda x, *args, **kwargs: calls.append(kwargs) or x * 0)
-    layer(torch.randn(8, 64))
+    layer(torch.randn(8, 64, dtype=torch.bfloat16))
     assert calls[0]["recompute"] is True and "recompute=True" in repr(layer)
     with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
         megamoe.MoELayer(64, 32, 4, 2, backend="grouped", recompute=True)
     with pytest.raises(ValueError, match="fused backend's own recomputation"):
         megamoe.moe(*megamoe.make_inputs(megamoe.shapes.MoEShape(64, 32, 4, 2), 8), backend="grouped", recompute=True)
+
+
+def test_layer_defaults_to_bfloat16_parameters_and_runs_bfloat16_input():
+    """The README's usage: a layer built without dtype takes bf16 hidden states."""
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped")
+    assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+    y, router_logits = layer(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    assert y.shape == (2, 5, 64) and y.dtype == torch.bfloat16 and router_logits.shape == (10, 8)
+
+
+def test_layer_names_the_dtype_mismatch_and_the_fix():
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped")
+    with pytest.raises(TypeError, match=r"torch\.float32.*torch\.bfloat16.*\.to\(torch\.bfloat16\).*dtype="):
+        layer(torch.randn(10, 64))
+    fp32 = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped", dtype=torch.float32)
+    assert fp32(torch.randn(10, 64))[0].dtype == torch.float32

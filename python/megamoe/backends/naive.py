@@ -12,7 +12,9 @@ def naive_moe(x, topk_ids, topk_weights, w13, w2, *, expert_begin: int = 0):
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local_ids = topk_ids.long() - expert_begin
     hit = torch.bincount(local_ids[(local_ids >= 0) & (local_ids < num_local)], minlength=num_local)
-    for e in hit.nonzero().flatten().tolist():  # skips experts without tokens, one host sync
+    # Skips experts without tokens (one host sync). With nothing routed, expert 0 runs on no rows,
+    # so y still depends on every input and the backward gives zero gradients (as `grouped` does).
+    for e in hit.nonzero().flatten().tolist() or [0]:
         token, k = torch.where(local_ids == e)
         z = x[token] @ w13[e].T
         h = F.silu(z[:, :intermediate]) * z[:, intermediate:]
