@@ -2,8 +2,8 @@
 
 Every rank of g runs the same MoE calls in the same order (SPMD). Rank r holds its tokens x_r
 [T_r, H] with (topk_ids_r, topk_weights_r) over all E = W * E_local experts, and the weights of its
-experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe.expert_parallel;
-here the ranks are processes, the peer tables point into the other ranks' memory, and barriers
+experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe.exchange: the
+ranks are processes, the peer tables point into the other ranks' memory, and barriers
 (megamoe_barrier, a GPU kernel that times out instead of hanging) order the phases:
 
   metadata     all-gather of (T_r, K, H, 2I, E_local), read by the host, then of topk_ids (once per forward)
@@ -48,10 +48,10 @@ import os
 import torch
 
 from . import _native
-from .expert_parallel import combine_from_owners, owner_backward, pointer_table, pull_rows
-from .fused import IdRangeCheck, main_grad_of
-from .gemm import grouped_gemm, grouped_gemm_swiglu
+from .exchange import combine_from_owners, pointer_table, pull_rows
+from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
 from .routing import RoutingPlan, build_routing, pool_capacity
+from .validation import IdRangeCheck, main_grad_of
 
 _PHASES = ("dispatch", "combine")
 _GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
@@ -283,6 +283,19 @@ def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
         pointers.append(part.data_ptr())
         first += tokens
     return staged, pointer_table(pointers)
+
+
+def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, num_routes: int, dx_pool, dw13, dw2) -> torch.Tensor:
+    """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
+    z recomputed, dh through the SwiGLU backward, dx per route in pool order into dx_pool, its experts'
+    weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp [num_routes] fp32, 0 for
+    the routes it does not own."""
+    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
+    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
+    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+    weight_grad(dz, x_pool, plan, dw13)
+    weight_grad(dy_pool, hp, plan, dw2)
+    return reduce_dp(dp_partial, plan, num_routes)
 
 
 def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

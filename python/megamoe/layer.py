@@ -1,4 +1,4 @@
-"""`MoELayer`: a full MoE block (Qwen3 router + experts through `megamoe.moe`), DESIGN.md §2."""
+"""`MoELayer`: a full MoE block (Qwen3 router + experts through `megamoe.moe`), see docs/DESIGN.md."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class MoELayer(nn.Module):
     With use_expert_bias, a bias buffer [E] shifts expert *selection* (not the weights) and
     `update_expert_bias` nudges it towards balanced load (aux-loss-free balancing, DeepSeek-V3).
 
-    With a process group of W ranks, w13/w2 hold this rank's E/W experts (DESIGN.md §2); the router
+    With a process group of W ranks, w13/w2 hold this rank's E/W experts (docs/DESIGN.md); the router
     still scores all E experts.
 
     recompute (fused only): the experts keep only their inputs for the backward and recompute the

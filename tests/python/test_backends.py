@@ -28,7 +28,7 @@ def poison_cuda_cache(gigabytes: float = 2.0) -> None:
 
 
 def edge_case_inputs(case: str, shape: MoEShape, device, seed=0):
-    """Routing edge cases from DESIGN.md §5 on fresh random data."""
+    """Routing edge cases (docs/DESIGN.md) on fresh random data."""
     tokens = {"t1": 1, "t0": 0, "odd_t": 77}.get(case, 200)
     if case == "k1":
         shape = MoEShape(shape.hidden_size, shape.intermediate_size, shape.num_experts, 1)
@@ -292,7 +292,7 @@ def test_fused_accumulates_weight_gradients_into_fp32_main_grad():
     ("buffer", "got str"),
 ])
 def test_main_grad_must_be_an_fp32_buffer_of_the_weights_shape(main_grad, message):
-    from megamoe.fused import main_grad_of
+    from megamoe.validation import main_grad_of
 
     weight = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
     assert main_grad_of(weight, "w2") is None

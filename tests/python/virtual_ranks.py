@@ -1,4 +1,6 @@
-"""Expert parallelism's data path (DESIGN.md §3), pull model, run on W virtual ranks of one GPU.
+"""Expert parallelism's data path (docs/DESIGN.md), pull model, run on W virtual ranks of one GPU:
+the library's dispatch and combine over peers (megamoe.exchange) and the owners' backward
+(megamoe.expert_parallel_group.owner_backward), driven rank by rank in one process for the tests.
 
 Rank r holds tokens x_r [T_r, H] with router output (topk_ids_r, topk_weights_r) over all E experts,
 and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
@@ -6,17 +8,17 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
 1. metadata: every rank gets every rank's topk_ids (an all-gather; here a concatenation), so each
    builds the routing plan of its own experts over all routes, numbered rank by rank;
 2. dispatch: each rank pulls the token rows its experts need from the other ranks' x into its
-   expert-major pool (megamoe_dispatch_peers_bf16, through a table of the ranks' x pointers);
+   expert-major pool (exchange.pull_rows, through a table of the ranks' x pointers);
 3. GEMM1 + SwiGLU and GEMM2 on the rank's own pool, the kernels of one rank, GEMM2 in pool order;
 4. combine: each rank pulls its routes' output rows from the experts' owners and reduces them in the
-   single-rank combine's fixed order (megamoe_combine_peers_bf16), so W ranks give bit for bit the
+   single-rank combine's fixed order (exchange.combine_from_owners), so W ranks give bit for bit the
    output of one rank holding every expert.
 
 Here the phases run one after another over the ranks on one stream, which stands in for the
 barriers real ranks need between phases, and the peer tables point at buffers of one device where
 real ranks would pass symmetric memory of their peers. That checks the protocol and the kernels on
 one GPU; megamoe.moe(group=...) runs the same kernels between the processes of a group
-(expert_parallel_group.py).
+(megamoe/expert_parallel_group.py).
 backward_virtual_ranks is the backward of the same data path (owners pull dy and p, run the
 single-rank backward kernels on their pools, ranks pull dx rows and dp values back).
 """
@@ -28,10 +30,12 @@ import itertools
 
 import torch
 
-from . import _native
-from .fused import IdRangeCheck, check_fused_support
-from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
-from .routing import build_routing
+from megamoe import _native
+from megamoe.exchange import combine_from_owners, pointer_table, pull_rows
+from megamoe.expert_parallel_group import owner_backward
+from megamoe.gemm import grouped_gemm, grouped_gemm_swiglu
+from megamoe.routing import build_routing
+from megamoe.validation import IdRangeCheck, check_fused_support
 
 
 def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
@@ -62,52 +66,6 @@ def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
                 raise TypeError(f"{name} of rank {r} must be a contiguous bfloat16 tensor on {xs[0].device}, "
                                 f"got {t.dtype} on {t.device}")
     check_fused_support(xs[0], w13_shape[2], w13_shape[1] // 2)
-
-
-def pointer_table(buffers):
-    """A host array of device pointers (of tensors, or addresses): the peer tables the pull kernels take."""
-    return (ctypes.c_void_p * len(buffers))(*(b if isinstance(b, int) else b.data_ptr() for b in buffers))
-
-
-def pull_rows(plan, rows_table, route_offsets, like: torch.Tensor, weights_table=None):
-    """The pool of the owner whose `plan` this is: its routes' rows from every rank's rows [T_r, H]
-    (rows_table; route_offsets: a host int64 array of W + 1), and with weights_table (every rank's
-    fp32 [T_r, K]) each pool row's weight as well."""
-    world, (top_k, hidden) = len(route_offsets) - 1, (plan.route_to_slot.shape[1], like.shape[1])
-    max_blocks = plan.block_expert.numel()
-    pool = like.new_empty(max_blocks * _native.BLOCK_M, hidden)
-    weights_pool = None if weights_table is None else torch.empty(pool.shape[0], dtype=torch.float32,
-                                                                  device=pool.device)
-    _native.check(_native.library().megamoe_dispatch_peers_bf16(
-        rows_table, route_offsets, world, pool.data_ptr(), plan.slot_to_route.data_ptr(), plan.num_blocks.data_ptr(),
-        max_blocks, top_k, hidden, weights_table, None if weights_table is None else weights_pool.data_ptr(),
-        _native.stream(like.device)), "expert-parallel dispatch")
-    return pool if weights_table is None else (pool, weights_pool)
-
-
-def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor, route_offset: int,
-                        like: torch.Tensor) -> torch.Tensor:
-    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool), summed as
-    the single-rank combine sums."""
-    y = torch.empty_like(like)
-    weights = weights.to(torch.float32).contiguous()
-    _native.check(_native.library().megamoe_combine_peers_bf16(
-        out_table, route_to_slot_table, world, weights.data_ptr(), route_offset, y.data_ptr(), y.shape[0],
-        weights.shape[1], y.shape[1], _native.stream(like.device)), "expert-parallel combine")
-    return y
-
-
-def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, num_routes: int, dx_pool, dw13, dw2) -> torch.Tensor:
-    """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
-    z recomputed, dh through the SwiGLU backward, dx per route in pool order into dx_pool, its experts'
-    weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp [num_routes] fp32, 0 for
-    the routes it does not own."""
-    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
-    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
-    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
-    weight_grad(dz, x_pool, plan, dw13)
-    weight_grad(dy_pool, hp, plan, dw2)
-    return reduce_dp(dp_partial, plan, num_routes)
 
 
 class _Ranks:
