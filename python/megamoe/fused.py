@@ -2,16 +2,16 @@
 
 Forward: routing plan (ids out of range are counted on the GPU and raise once the launches are
 queued: validation.IdRangeCheck) → dispatch into the expert-major pool (exchange.py) → GEMM1 with
-SwiGLU in its epilogue → GEMM2 whose epilogue scatters each row into its (token, k) slot →
-fixed-order combine (exchange.py). The op has a fake implementation, so torch.compile traces it
-without graph breaks.
+the gated activation (megamoe.activation; the kernels: SwiGLU) in its epilogue → GEMM2 whose
+epilogue scatters each row into its (token, k) slot → fixed-order combine (exchange.py). The op has
+a fake implementation, so torch.compile traces it without graph breaks.
 
 Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
 row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, pool order) as the forward kept
 them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
-price of a gather and a GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its
-epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and combined;
-dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
+price of a gather and a GEMM), then dh = dy·w2 with the activation's backward, p·h and dp partials
+in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and
+combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from . import _native
 from .exchange import combine, dispatch
-from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
+from .activation import check_activation
+from .gemm import gated_backward, gated_gemm, grouped_gemm, grouped_gemm_scatter, reduce_dp, weight_grad
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, main_grad_of
 
@@ -49,11 +50,13 @@ class _Pool:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, keep: bool, keep_plan: bool
+                      w13: torch.Tensor, w2: torch.Tensor, activation: str, keep: bool, keep_plan: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x_pool, z, plan): with keep, the pool of x [pool rows, H] and GEMM1's gate | up output z
-    [pool rows, 2I] for the backward; otherwise both empty. With keep_plan, the routing plan's
-    buffer (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
+    """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation).
+    With keep, the pool of x [pool rows, H] and GEMM1's gate | up output z [pool rows, 2I] for the
+    backward; otherwise both empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer),
+    so the backward does not build it again; otherwise empty."""
+    check_activation(activation)
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
@@ -63,7 +66,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
     if keep_plan:
         plan = pool.plan.buffer
-    h = grouped_gemm_swiglu(pool.x, w13, pool.plan, z if keep else None)
+    h = gated_gemm(pool.x, w13, pool.plan, activation, z if keep else None)
     del pool.x
     y = pool.scatter_combine(h, w2, hidden, topk_weights)
     pool.id_range.raise_if_any()
@@ -71,7 +74,8 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, keep, keep_plan):
+def _(x, topk_ids, topk_weights, w13, w2, activation, keep, keep_plan):
+    check_activation(activation)
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
@@ -86,17 +90,19 @@ def _(x, topk_ids, topk_weights, w13, w2, keep, keep_plan):
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
-                       z: torch.Tensor, plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool,
-                       need_dw2: bool,
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
+                       x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
+                       need_dweights: bool, need_dw13: bool, need_dw2: bool,
                        main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    x_pool, z, plan: what fused_moe_forward kept, or empty to gather, recompute and rebuild them.
+    activation: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to gather,
+    recompute and rebuild them.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
+    check_activation(activation)
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
                                            main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
@@ -107,7 +113,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     dy_pool, p_pool = dispatch(plan, dy.contiguous(), topk_weights)
     if z.numel() == 0:
         z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
-    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, z, p_pool, plan)
+    dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
     del z
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan, topk_ids.numel()).view(topk_weights.shape).to(topk_weights.dtype)
@@ -128,15 +134,17 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, need_dx, need_dweights, need_dw13, need_dw2,
-      main_grad13, main_grad2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, activation, x_pool, z, plan, need_dx, need_dweights, need_dw13,
+      need_dw2, main_grad13, main_grad2):
+    check_activation(activation)
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
                         main_grad2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, _, _ = inputs
+    x, topk_ids, topk_weights, w13, w2, activation, _, _ = inputs
     _, x_pool, z, plan = output
+    ctx.activation = activation
     ctx.mark_non_differentiable(x_pool, z, plan)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool, z and plan
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
@@ -146,22 +154,24 @@ def _backward(ctx, dy, _dx_pool, _dz, _dplan):
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, *needs, *main_grads)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, x_pool, z, plan, *needs,
+                               *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None, None
+    return dx, None, dweights, dw13, dw2, None, None, None
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool) -> torch.Tensor:
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool, activation: str = "swiglu"
+                       ) -> torch.Tensor:
     """y of the fused op; the routing plan is kept for the backward when one will run, and the pool
     of x and z as well unless recompute is on."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute,
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, backward_will_run and not recompute,
                              backward_will_run)[0]

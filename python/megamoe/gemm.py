@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from .activation import check_activation
 from .routing import RoutingPlan
 
 
@@ -60,7 +61,7 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
 
 
 # The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism
-# (expert_parallel.py). Their callers validate the layer's inputs; the C API checks every argument.
+# (expert_parallel_group.py). Their callers validate the layer's inputs; the C API checks every argument.
 
 def grouped_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan,
                         z: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,6 +102,25 @@ def swiglu_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_
         dp_partial.data_ptr(), plan.block_expert.data_ptr(), plan.num_blocks.data_ptr(), plan.block_expert.numel(),
         inter, hidden, num_local, _native.stream(dy_pool.device)), "dh with the SwiGLU backward")
     return dz, hp, dp_partial
+
+
+def _check_kernel_activation(activation: str) -> None:
+    if check_activation(activation) != "swiglu":
+        raise NotImplementedError(f"the fused kernels compute activation='swiglu', got {activation!r}")
+
+
+def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
+               z: torch.Tensor | None = None) -> torch.Tensor:
+    """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ: grouped_gemm_swiglu, the one the kernels compute."""
+    _check_kernel_activation(activation)
+    return grouped_gemm_swiglu(a, w13, plan, z)
+
+
+def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
+                   plan: RoutingPlan, activation: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dz, hp, dp partials) through the activation's backward: swiglu_backward, the one the kernels compute."""
+    _check_kernel_activation(activation)
+    return swiglu_backward(dy_pool, w2, z, p_pool, plan)
 
 
 def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan, num_routes: int) -> torch.Tensor:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .activation import check_activation
 from .functional import moe
 from .router import route
 from .validation import BACKENDS, PRECISIONS, check_recompute, group_rank_and_size
 
 
 class MoELayer(nn.Module):
-    """Router as Qwen3 (linear gate, fp32 softmax, top-k, optional renormalisation) and SwiGLU experts.
+    """Router as Qwen3 (linear gate, fp32 softmax, top-k, optional renormalisation) and gated experts
+    (activation: one of megamoe.activation.ACTIVATIONS, SwiGLU by default).
 
     forward(hidden_states [..., H]) -> (y [..., H], router_logits [T, E]); the logits feed
     `megamoe.load_balancing_loss` (the aux loss of transformers' Qwen3-MoE).
@@ -33,13 +35,14 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
                  *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
-                 device=None, dtype: torch.dtype = torch.bfloat16):
+                 activation: str = "swiglu", device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_recompute(backend, recompute)
+        self.activation = check_activation(activation)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
         _, world = group_rank_and_size(group)
@@ -85,7 +88,8 @@ class MoELayer(nn.Module):
                 ids = routing.topk_ids.flatten()
                 self.expert_load.zero_().index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         y = moe(x.contiguous(), routing.topk_ids, routing.topk_weights, self.w13, self.w2,
-                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute)
+                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute,
+                activation=self.activation)
         return y.view(hidden_states.shape), routing.router_logits
 
     @torch.no_grad()
@@ -103,5 +107,5 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, moe_intermediate_size={self.w2.shape[-1]}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
-                f"backend={self.backend!r}, precision={self.precision!r}, recompute={self.recompute}, "
-                f"expert_bias={self.expert_bias is not None}")
+                f"activation={self.activation!r}, backend={self.backend!r}, precision={self.precision!r}, "
+                f"recompute={self.recompute}, expert_bias={self.expert_bias is not None}")

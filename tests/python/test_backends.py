@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megamoe
+from megamoe.activation import ACTIVATIONS
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import MoEShape
 
@@ -51,15 +52,16 @@ def leaf(t, dtype=None):
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_forward_and_gradients_match_reference(backend, case, device):
+def test_forward_and_gradients_match_reference(backend, case, device, activation):
     x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, device)
     inputs = [leaf(t) for t in (x, weights, w13, w2)]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
     poison_cuda_cache()
-    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend)
-    ref = reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3])
+    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend, activation=activation)
+    ref = reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3], activation=activation)
     assert y.shape == x.shape and y.dtype == x.dtype
     if x.shape[0] == 0:
         return
@@ -102,15 +104,16 @@ def test_masked_routes_contribute_nothing(backend, device):
 
 
 @requires_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("preset,tokens", [("qwen3-30b-a3b", 1000), ("qwen3-235b-a22b", 300)])
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-def test_backends_at_model_shapes(preset, tokens, routing):
+def test_backends_at_model_shapes(preset, tokens, routing, activation):
     x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS[preset], tokens, routing,
                                                    device="cuda", seed=3)
-    ref = reference_moe(x, ids, weights, w13, w2)
+    ref = reference_moe(x, ids, weights, w13, w2, activation=activation)
     for backend in ("fused", *BASELINES):
         poison_cuda_cache()
-        y = megamoe.moe(x, ids, weights, w13, w2, backend=backend)
+        y = megamoe.moe(x, ids, weights, w13, w2, backend=backend, activation=activation)
         assert relative_error(y, ref) < TOLERANCE, backend
 
 
@@ -164,15 +167,17 @@ def test_fused_gradients_are_bitwise_deterministic():
 
 
 @requires_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("wanted", ["x", "topk_weights", "w13", "w2"])
-def test_fused_computes_only_the_gradients_asked_for(wanted):
+def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
     x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
     names = ("x", "topk_weights", "w13", "w2")
     inputs = [leaf(t) if n == wanted else t for n, t in zip(names, (x, weights, w13, w2))]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
     dy = torch.randn_like(x)
-    megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused").backward(dy)
-    reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3]).backward(dy.double())
+    megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused", activation=activation).backward(dy)
+    reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3],
+                  activation=activation).backward(dy.double())
     for n, got, want in zip(names, inputs, ref_inputs):
         if n == wanted:
             assert relative_error(got.grad, want.grad) < TOLERANCE, n
@@ -207,16 +212,31 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, True, True)
-        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, False, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, x_pool, z, plan, True, False, True, True, None,
-                                   None)
+        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", True, True)
+        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", False, False)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", x_pool, z, plan, True, False, True, True,
+                                   None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_op_autograd_gives_gradient_shapes_under_fake_tensors(recompute, activation):
+    """The op's autograd registration (what its backward is handed and returns), without a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megamoe.fused import fused_moe_autograd
+
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        fused_moe_autograd(leaves[0], ids, *leaves[1:], recompute, activation).sum().backward()
+        assert [(t.grad.shape, t.grad.dtype) for t in leaves] == [(t.shape, t.dtype) for t in leaves]
 
 
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import megamoe
-from megamoe.reference import relative_error
+from megamoe.activation import ACTIVATIONS
+from megamoe.reference import reference_moe, relative_error
 from megamoe.router import route
 
 BF16_TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation (as test_backends)
@@ -68,8 +69,9 @@ def make_layer(backend, **kwargs):
     return megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend=backend, dtype=torch.bfloat16, **kwargs)
 
 
-def test_layer_naive_and_grouped_agree():
-    layers = {backend: make_layer(backend) for backend in ("naive", "grouped")}
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_layer_naive_and_grouped_agree(activation):
+    layers = {backend: make_layer(backend, activation=activation) for backend in ("naive", "grouped")}
     x = torch.randn(2, 50, 64, dtype=torch.bfloat16)
     outputs, grads = {}, {}
     for backend, layer in layers.items():
@@ -83,6 +85,25 @@ def test_layer_naive_and_grouped_agree():
     assert relative_error(outputs["grouped"], outputs["naive"]) < BF16_TOLERANCE
     for name in grads["naive"]:
         assert relative_error(grads["grouped"][name], grads["naive"][name]) < BF16_TOLERANCE, name
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("backend", ["naive", "grouped"])
+def test_layer_experts_match_the_reference(backend, activation):
+    """The layer's output and expert weight gradients against the fp64 reference on its routing."""
+    layer = make_layer(backend, activation=activation)
+    x = torch.randn(100, 64, dtype=torch.bfloat16)
+    y, _ = layer(x)
+    routing = route(x, layer.gate.weight.detach(), 2)
+    w13, w2 = (p.detach().double().requires_grad_() for p in (layer.w13, layer.w2))
+    ref = reference_moe(x, routing.topk_ids, routing.topk_weights, w13, w2, activation=activation)
+    assert relative_error(y, ref) < BF16_TOLERANCE
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    assert relative_error(layer.w13.grad, w13.grad) < BF16_TOLERANCE
+    assert relative_error(layer.w2.grad, w2.grad) < BF16_TOLERANCE
+    assert f"activation={activation!r}" in repr(layer)
 
 
 def test_layer_parameters_and_init():

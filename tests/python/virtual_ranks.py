@@ -9,7 +9,7 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
    builds the routing plan of its own experts over all routes, numbered rank by rank;
 2. dispatch: each rank pulls the token rows its experts need from the other ranks' x into its
    expert-major pool (exchange.pull_rows, through a table of the ranks' x pointers);
-3. GEMM1 + SwiGLU and GEMM2 on the rank's own pool, the kernels of one rank, GEMM2 in pool order;
+3. GEMM1 with the gated activation and GEMM2 on the rank's own pool, the kernels of one rank, GEMM2 in pool order;
 4. combine: each rank pulls its routes' output rows from the experts' owners and reduces them in the
    single-rank combine's fixed order (exchange.combine_from_owners), so W ranks give bit for bit the
    output of one rank holding every expert.
@@ -33,12 +33,14 @@ import torch
 from megamoe import _native
 from megamoe.exchange import combine_from_owners, pointer_table, pull_rows
 from megamoe.expert_parallel_group import owner_backward
-from megamoe.gemm import grouped_gemm, grouped_gemm_swiglu
+from megamoe.activation import check_activation
+from megamoe.gemm import gated_gemm, grouped_gemm
 from megamoe.routing import build_routing
 from megamoe.validation import IdRangeCheck, check_fused_support
 
 
-def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
+def _check(xs, topk_ids, topk_weights, w13s, w2s, activation) -> None:
+    check_activation(activation)
     world = len(xs)
     if not 1 <= world <= _native.MAX_PEERS:
         raise ValueError(f"expert parallelism runs 1 to {_native.MAX_PEERS} ranks, got {world}")
@@ -95,37 +97,38 @@ class _Ranks:
                                    self.world, weights, self.route_offsets[r], x)
 
 
-def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.Tensor]:
+def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s, activation: str = "swiglu"
+                          ) -> list[torch.Tensor]:
     """[y_r for each rank]: the MoE layer's forward with rank r's tokens (xs[r], topk_ids[r] global
     expert ids, -1 masked, topk_weights[r]) and rank r owning experts [r E/W, (r + 1) E/W) (w13s[r],
     w2s[r]), through the pull-model kernels and peer tables of expert parallelism."""
-    _check(xs, topk_ids, topk_weights, w13s, w2s)
+    _check(xs, topk_ids, topk_weights, w13s, w2s, activation)
     if sum(x.shape[0] for x in xs) == 0:
         return [torch.empty_like(x) for x in xs]
     ranks = _Ranks(xs, topk_ids, w13s)
     outs = []
     for d, plan in enumerate(ranks.plans):
-        h = grouped_gemm_swiglu(ranks.pull_rows(d, xs), w13s[d], plan)
+        h = gated_gemm(ranks.pull_rows(d, xs), w13s[d], plan, activation)
         outs.append(grouped_gemm(h, w2s[d], plan))
     ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
     ranks.id_range.raise_if_any()
     return ys
 
 
-def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
+def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s, activation: str = "swiglu"):
     """(dxs, d topk_weights, dw13s, dw2s), one entry per rank: the backward of forward_virtual_ranks
     for output gradients dys[r] [T_r, H]. Each expert's owner pulls x, dy and p, recomputes z, and
-    runs the single-rank backward kernels on its pool (dh with the SwiGLU backward, dx per route in
-    pool order, the weight gradients of its own experts, dp of the routes it owns); then every rank
-    pulls its routes' dx rows and dp values from their owners. dp is pulled by adding the owners'
-    per-route dp vectors, in which every other owner holds 0 for that route (exact)."""
+    runs the single-rank backward kernels on its pool (dh with the activation's backward, dx per
+    route in pool order, the weight gradients of its own experts, dp of the routes it owns); then
+    every rank pulls its routes' dx rows and dp values from their owners. dp is pulled by adding the
+    owners' per-route dp vectors, in which every other owner holds 0 for that route (exact)."""
     if len(dys) != len(xs):
         raise ValueError(f"dys needs one entry per rank ({len(xs)}), got {len(dys)}")
     for r, (dy, x) in enumerate(zip(dys, xs)):
         if dy.shape != x.shape or dy.dtype != torch.bfloat16 or dy.device != x.device:
             raise ValueError(f"dy of rank {r} must be a bfloat16 tensor shaped like its x {tuple(x.shape)} "
                              f"on {x.device}, got {dy.dtype} {tuple(dy.shape)} on {dy.device}")
-    _check(xs, topk_ids, topk_weights, w13s, w2s)
+    _check(xs, topk_ids, topk_weights, w13s, w2s, activation)
     if sum(x.shape[0] for x in xs) == 0:
         return ([torch.zeros_like(x) for x in xs], [torch.zeros_like(w) for w in topk_weights],
                 [torch.zeros_like(w) for w in w13s], [torch.zeros_like(w) for w in w2s])
@@ -140,7 +143,7 @@ def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
         dw13s.append(torch.empty_like(w13s[d]))
         dw2s.append(torch.empty_like(w2s[d]))
         dps.append(owner_backward(x_pool, dy_pool, p_pool, w13s[d], w2s[d], plan, ranks.route_offsets[-1],
-                                  dx_pools[d], dw13s[d], dw2s[d]))
+                                  dx_pools[d], dw13s[d], dw2s[d], activation))
     ones = [torch.ones_like(w) for w in weights]
     dxs = [ranks.combine(r, x, dx_pools, ones[r]) for r, x in enumerate(xs)]
     dp_all = torch.stack(dps).sum(0)
