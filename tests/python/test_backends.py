@@ -74,7 +74,17 @@ def test_forward_and_gradients_match_reference(backend, case, device, activation
         if want.grad.abs().max() == 0:
             assert got.grad.abs().max() == 0, name
             continue
+        if name == "dtopk_weights" and case == "t1":
+            continue  # two dot products, which may cancel: held to the bound below instead
         assert relative_error(got.grad, want.grad) < TOLERANCE, name
+    # d topk_weights[t, k] = <dy[t], o[t, k]> (o: the route's expert output), a dot product whose bf16
+    # error scales with ||dy[t]|| ||o[t, k]||, not with its value; masked routes must give exactly 0.
+    routes = torch.stack([reference_moe(ref_inputs[0], ids[:, k:k + 1], torch.ones_like(ref_inputs[1][:, :1]),
+                                        ref_inputs[2], ref_inputs[3], activation=activation)
+                          for k in range(ids.shape[1])], dim=1)
+    scale = dy.norm(dim=-1, keepdim=True) * routes.norm(dim=-1)
+    error = (inputs[1].grad.double() - ref_inputs[1].grad).abs()
+    assert torch.all(error <= TOLERANCE * scale), (error / scale).max().item()
 
 
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
