@@ -1,5 +1,6 @@
 """megamoe: fused Mixture-of-Experts layers for training on Hopper GPUs."""
 
+from .activation import ACTIVATIONS
 from .functional import fused_moe, moe
 from .hf import patch_hf_model
 from .layer import MoELayer
@@ -8,6 +9,6 @@ from .router import load_balancing_loss
 from .routing import RoutingPlan, build_routing
 from .shapes import PRESETS, MoEShape, make_inputs, make_routing
 
-__all__ = ["fused_moe", "moe", "reference_moe", "RoutingPlan", "build_routing", "PRESETS",
+__all__ = ["ACTIVATIONS", "fused_moe", "moe", "reference_moe", "RoutingPlan", "build_routing", "PRESETS",
            "MoEShape", "make_inputs", "make_routing", "MoELayer", "load_balancing_loss", "patch_hf_model"]
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 Every rank of g runs the same MoE calls in the same order (SPMD). Rank r holds its tokens x_r
 [T_r, H] with (topk_ids_r, topk_weights_r) over all E = W * E_local experts, and the weights of its
-experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe.expert_parallel;
-here the ranks are processes, the peer tables point into the other ranks' memory, and barriers
+experts [r E_local, (r + 1) E_local). The data path is the pull model of megamoe.exchange: the
+ranks are processes, the peer tables point into the other ranks' memory, and barriers
 (megamoe_barrier, a GPU kernel that times out instead of hanging) order the phases:
 
   metadata     all-gather of (T_r, K, H, 2I, E_local), read by the host, then of topk_ids (once per forward)
@@ -48,10 +48,11 @@ import os
 import torch
 
 from . import _native
-from .expert_parallel import combine_from_owners, owner_backward, pointer_table, pull_rows
-from .fused import IdRangeCheck, main_grad_of
-from .gemm import grouped_gemm, grouped_gemm_swiglu
+from .activation import check_activation
+from .exchange import combine_from_owners, pointer_table, pull_rows
+from .gemm import gated_backward, gated_gemm, grouped_gemm, grouped_gemm_scatter, reduce_dp, weight_grad
 from .routing import RoutingPlan, build_routing, pool_capacity
+from .validation import IdRangeCheck, main_grad_of
 
 _PHASES = ("dispatch", "combine")
 _GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
@@ -285,6 +286,21 @@ def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
     return staged, pointer_table(pointers)
 
 
+def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2,
+                   activation: str = "swiglu") -> torch.Tensor:
+    """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
+    z recomputed, dh through the activation's backward, dx per route in pool order into dx_pool, its
+    experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
+    plan's routes (every rank's) in fp32, 0 for the routes it does not own. (The tests' virtual ranks run it too.)"""
+    z = grouped_gemm(x_pool, w13, plan)
+    dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
+    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+    weight_grad(dz, x_pool, plan, dw13)
+    weight_grad(dy_pool, hp, plan, dw2)
+    return reduce_dp(dp_partial, plan)
+
+
 def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Barrier 2, then this rank's rows summed from their owners' shared out pools."""
     ws.barrier(2)
@@ -292,14 +308,14 @@ def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Ten
                                meta.route_offsets[ws.rank], like)
 
 
-def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2):
+def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation):
     """(y, x_pool, meta): the layer's forward for this rank's tokens."""
     meta = _Meta(ws, x, topk_ids, w13)
     plan = meta.plan
     if meta.total_routes == 0:
         return torch.zeros_like(x), x.new_empty(0, x.shape[1]), meta
     x_pool = _publish_and_pull(ws, meta, plan, x)
-    h = grouped_gemm_swiglu(x_pool, w13, plan)
+    h = gated_gemm(x_pool, w13, plan, activation)
     out = ws.local("out", x_pool.numel()).view(x_pool.shape)
     grouped_gemm(h, w2, plan, out=out)
     del h
@@ -309,7 +325,8 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2):
     return y, x_pool, meta
 
 
-def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, main_grad13, main_grad2):
+def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, main_grad13, main_grad2,
+              activation):
     """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad)."""
     plan = meta.plan
     weights = topk_weights.to(torch.float32).contiguous()
@@ -321,8 +338,8 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
     dy_pool, p_pool = _publish_and_pull(ws, meta, plan, dy.contiguous(), weights)
     dx_pool = ws.local("out", x_pool.numel()).view(x_pool.shape)  # dx per route, read by the peers
     ws.local("dp", meta.total_routes).copy_(owner_backward(
-        x_pool, dy_pool, p_pool, w13, w2, plan, meta.total_routes, dx_pool,
-        dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2))
+        x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool,
+        dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation))
     del dy_pool, p_pool
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
@@ -337,9 +354,9 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
 
 class _GroupMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws):
-        y, x_pool, meta = _forward(ws, x, topk_ids, topk_weights, w13, w2)
-        ctx.ws, ctx.meta = ws, meta
+    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation):
+        y, x_pool, meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation)
+        ctx.ws, ctx.meta, ctx.activation = ws, meta, activation
         ctx.save_for_backward(x_pool, topk_weights, w13, w2)
         return y
 
@@ -349,12 +366,14 @@ class _GroupMoE(torch.autograd.Function):
         needs = ctx.needs_input_grad
         main_grads = [main_grad_of(w, name) if need else None
                       for w, name, need in ((w13, "w13", needs[3]), (w2, "w2", needs[4]))]
-        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, topk_weights, w13, w2, *main_grads)
+        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, topk_weights, w13, w2, *main_grads,
+                                            ctx.activation)
         return (dx if needs[0] else None, None, dweights if needs[2] else None, dw13 if needs[3] else None,
-                dw2 if needs[4] else None, None)
+                dw2 if needs[4] else None, None, None)
 
 
-def group_moe(x, topk_ids, topk_weights, w13, w2, group) -> torch.Tensor:
+def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu") -> torch.Tensor:
     """y [T_r, H] for this rank's tokens, its experts' weights w13 [E_local, 2I, H], w2 [E_local, H, I];
     differentiable like megamoe.moe. Every rank of `group` must make the same calls in the same order."""
-    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device))
+    check_activation(activation)
+    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation)

@@ -1,28 +1,32 @@
-"""The functional API (DESIGN.md §2): one MoE layer's experts through a chosen backend."""
+"""The functional API (docs/DESIGN.md): one MoE layer's experts through a chosen backend."""
 
 from __future__ import annotations
 
+from .activation import check_activation
 from .backends import grouped_moe, naive_moe
 from .expert_parallel_group import group_moe
-from .fused import check_fused_support, fused_moe_autograd
-from .validation import BACKENDS, check_moe_inputs, check_precision, check_recompute
+from .fused import fused_moe_autograd
+from .validation import BACKENDS, check_fused_support, check_moe_inputs, check_precision, check_recompute
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
 
 def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: str = "bf16",
-        group=None, recompute: bool = False):
+        group=None, recompute: bool = False, activation: str = "swiglu"):
     """y [T, H] = Σ_k p[t, k] · expert(topk_ids[t, k])(x[t]); differentiable w.r.t. x,
-    topk_weights, w13 and w2. See DESIGN.md §1 for the math and the weight layouts.
+    topk_weights, w13 and w2. See docs/DESIGN.md for the math and the weight layouts.
+
+    activation: the experts' h = act(gate) · up, one of megamoe.activation.ACTIVATIONS.
 
     recompute (fused only): keep nothing but the inputs for the backward, and gather x and
     recompute z = x·w13ᵀ there, instead of keeping the pool of x and z from the forward
     (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_activation(activation)
     check_recompute(backend, recompute)
     check_precision(precision, x.device if hasattr(x, "device") else None)
-    # The fused op checks the ids' range on the GPU (fused.py), sparing the host a sync per call.
+    # The fused op checks the ids' range on the GPU (validation.IdRangeCheck), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
                                check_id_range=not (backend == "fused" and getattr(topk_ids, "is_cuda", False)))
     if precision != "bf16":
@@ -36,13 +40,13 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
         if group is not None:
-            return group_moe(x, topk_ids, topk_weights, w13, w2, group)
-        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute)
-    return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2)
+            return group_moe(x, topk_ids, topk_weights, w13, w2, group, activation)
+        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation)
+    return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2, activation=activation)
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w2, precision: str = "bf16", group=None,
-              recompute: bool = False):
+              recompute: bool = False, activation: str = "swiglu"):
     """The fused persistent-kernel backend (`moe(..., backend="fused")`)."""
     return moe(x, topk_ids, topk_weights, w13, w2, backend="fused", precision=precision, group=group,
-               recompute=recompute)
+               recompute=recompute, activation=activation)

@@ -1,16 +1,17 @@
 """backend="fused": the Hopper kernels of the core behind one torch.library op.
 
 Forward: routing plan (ids out of range are counted on the GPU and raise once the launches are
-queued, see IdRangeCheck) → dispatch into the expert-major pool → GEMM1 with SwiGLU in its epilogue →
-GEMM2 whose epilogue scatters each row into its (token, k) slot → fixed-order combine. The op has
+queued: validation.IdRangeCheck) → dispatch into the expert-major pool (exchange.py) → GEMM1 with
+the gated activation (megamoe.activation; the kernels: SwiGLU) in its epilogue → GEMM2 whose
+epilogue scatters each row into its (token, k) slot → fixed-order combine (exchange.py). The op has
 a fake implementation, so torch.compile traces it without graph breaks.
 
 Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
 row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, pool order) as the forward kept
 them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
-price of a gather and a GEMM), then dh = dy·w2 with the SwiGLU backward, p·h and dp partials in its
-epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and combined;
-dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
+price of a gather and a GEMM), then dh = dy·w2 with the activation's backward, p·h and dp partials
+in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and
+combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
 """
 
 from __future__ import annotations
@@ -18,66 +19,11 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
+from .exchange import combine, dispatch
+from .activation import check_activation
+from .gemm import gated_backward, gated_gemm, grouped_gemm, grouped_gemm_scatter, reduce_dp, weight_grad
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
-from .validation import id_range_message
-
-# Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
-SIZE_MULTIPLE = 128
-MAX_HIDDEN = 4096
-
-
-def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None:
-    """Raises before any launch when the kernels cannot run this problem."""
-    if x.device.type != "cuda":
-        raise ValueError(f"backend='fused' runs on CUDA tensors, got {x.device}; use backend='grouped' on the CPU")
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if (major, minor) != (9, 0):
-        raise NotImplementedError(
-            f"backend='fused' needs a Hopper GPU (sm_90, H100/H200), this is sm_{major}{minor}; "
-            "use backend='grouped'")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"backend='fused' computes in bfloat16, got x, w13, w2 in {x.dtype}")
-    if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE or hidden > MAX_HIDDEN:
-        raise ValueError(
-            f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (the GEMM tiles) and "
-            f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
-
-
-class IdRangeCheck:
-    """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
-    so no kernel reads out of bounds. The count comes to the host right behind the routing, on a
-    stream of its own (a copy between the compute stream's kernels would cost two ~5 µs switches
-    there), and the forward checks it once all its kernels are queued: the host waits for this
-    layer's routing, not for the whole queue ahead of it as a check before the launches would, and
-    the caller gets the exception instead of an output. Not while a CUDA graph is being captured,
-    where the host may not wait: there bad ids only stay masked (routed nowhere), as they were before
-    this check existed whenever the host check was skipped (torch.compile)."""
-
-    _copy_streams: dict = {}
-
-    def __init__(self, plan, num_experts: int):
-        self.num_experts = num_experts
-        self.active = not torch.cuda.is_current_stream_capturing()
-        if self.active:
-            device = plan.num_invalid.device
-            if device not in self._copy_streams:
-                self._copy_streams[device] = torch.cuda.Stream(device)
-            copy_stream = self._copy_streams[device]
-            copy_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(copy_stream):
-                self.count = plan.num_invalid.to("cpu", non_blocking=True)
-                self.routed = torch.cuda.Event()
-                self.routed.record(copy_stream)
-            plan.num_invalid.record_stream(copy_stream)  # the plan may be freed before the copy ran
-
-    def raise_if_any(self) -> None:
-        if not self.active:
-            return
-        self.routed.synchronize()
-        count = int(self.count)
-        if count:
-            raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
+from .validation import IdRangeCheck, main_grad_of
 
 
 class _Pool:
@@ -90,46 +36,27 @@ class _Pool:
         self.plan = (build_routing(topk_ids.to(torch.int32).contiguous(), num_local) if plan_buffer is None
                      else RoutingPlan.from_buffer(plan_buffer, self.num_tokens, self.top_k, num_local))
         self.id_range = IdRangeCheck(self.plan, num_local) if check_ids else None
-        self.max_blocks = self.plan.block_expert.numel()
-        self.rows = self.max_blocks * _native.BLOCK_M
-        self.stream = _native.stream(x.device)
-        self.x = self.gather(x) if x_pool is None else x_pool
-
-    def gather(self, token_rows: torch.Tensor, weights: torch.Tensor | None = None):
-        """[rows, H]: each pool row holds its route's token row; padding rows are zero. With weights
-        [T, K], also (pool, p [rows] fp32): each live row's route weight, 0 on padding rows."""
-        pool = token_rows.new_empty(self.rows, token_rows.shape[1])
-        if weights is not None:
-            weights = weights.to(torch.float32).contiguous()
-            weights_pool = torch.empty(self.rows, dtype=torch.float32, device=pool.device)
-        _native.check(_native.library().megamoe_dispatch_bf16(
-            token_rows.data_ptr(), pool.data_ptr(), self.plan.route_to_slot.data_ptr(),
-            self.plan.slot_to_route.data_ptr(), self.plan.num_blocks.data_ptr(), self.num_tokens,
-            self.max_blocks, self.top_k, token_rows.shape[1], None if weights is None else weights.data_ptr(),
-            None if weights is None else weights_pool.data_ptr(), self.stream), "fused dispatch")
-        return pool if weights is None else (pool, weights_pool)
+        self.rows = self.plan.block_expert.numel() * _native.BLOCK_M
+        self.x = dispatch(self.plan, x) if x_pool is None else x_pool
 
     def scatter_combine(self, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
                         b_is_k_by_n: bool = False) -> torch.Tensor:
         """[T, H] = Σ_k weights[t, k] · (a · B[e])[slot of (t, k)]: a scatter-epilogue GEMM into
         (token, k) rows (grouped_gemm_scatter), then the fixed-order combine."""
         routed = a.new_empty(self.num_tokens * self.top_k, hidden)
-        grouped_gemm_scatter(a, b, self.plan, self.plan.slot_to_route, routed, b_is_k_by_n)
-        out = a.new_empty(self.num_tokens, hidden)
-        weights = weights.to(torch.float32).contiguous()
-        _native.check(_native.library().megamoe_combine_bf16(
-            routed.data_ptr(), weights.data_ptr(), self.plan.route_to_slot.data_ptr(), out.data_ptr(),
-            self.num_tokens, self.top_k, hidden, self.stream), "combine")
-        return out
+        grouped_gemm_scatter(a, b, self.plan, None, routed, b_is_k_by_n)
+        return combine(self.plan, routed, weights)
 
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, keep: bool, keep_plan: bool
+                      w13: torch.Tensor, w2: torch.Tensor, activation: str, keep: bool, keep_plan: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x_pool, z, plan): with keep, the pool of x [pool rows, H] and GEMM1's gate | up output z
-    [pool rows, 2I] for the backward; otherwise both empty. With keep_plan, the routing plan's
-    buffer (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
+    """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation).
+    With keep, the pool of x [pool rows, H] and GEMM1's gate | up output z [pool rows, 2I] for the
+    backward; otherwise both empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer),
+    so the backward does not build it again; otherwise empty."""
+    check_activation(activation)
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
@@ -139,7 +66,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
     if keep_plan:
         plan = pool.plan.buffer
-    h = grouped_gemm_swiglu(pool.x, w13, pool.plan, z if keep else None)
+    h = gated_gemm(pool.x, w13, pool.plan, activation, z if keep else None)
     del pool.x
     y = pool.scatter_combine(h, w2, hidden, topk_weights)
     pool.id_range.raise_if_any()
@@ -147,7 +74,8 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, keep, keep_plan):
+def _(x, topk_ids, topk_weights, w13, w2, activation, keep, keep_plan):
+    check_activation(activation)
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
@@ -162,17 +90,19 @@ def _(x, topk_ids, topk_weights, w13, w2, keep, keep_plan):
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, x_pool: torch.Tensor,
-                       z: torch.Tensor, plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool,
-                       need_dw2: bool,
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
+                       x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
+                       need_dweights: bool, need_dw13: bool, need_dw2: bool,
                        main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    x_pool, z, plan: what fused_moe_forward kept, or empty to gather, recompute and rebuild them.
+    activation: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to gather,
+    recompute and rebuild them.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
+    check_activation(activation)
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
                                            main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
@@ -180,13 +110,13 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     num_local, _, hidden = w13.shape
     pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None, plan if plan.numel() else None)
     plan = pool.plan
-    dy_pool, p_pool = pool.gather(dy.contiguous(), topk_weights)
+    dy_pool, p_pool = dispatch(plan, dy.contiguous(), topk_weights)
     if z.numel() == 0:
         z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
-    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, z, p_pool, plan)
+    dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
     del z
     if need_dweights:
-        dweights = reduce_dp(dp_partial, plan, topk_ids.numel()).view(topk_weights.shape).to(topk_weights.dtype)
+        dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
     if need_dx:
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
         dx = pool.scatter_combine(dz, w13, hidden, ones, b_is_k_by_n=True)
@@ -204,15 +134,17 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, need_dx, need_dweights, need_dw13, need_dw2,
-      main_grad13, main_grad2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, activation, x_pool, z, plan, need_dx, need_dweights, need_dw13,
+      need_dw2, main_grad13, main_grad2):
+    check_activation(activation)
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
                         main_grad2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, _, _ = inputs
+    x, topk_ids, topk_weights, w13, w2, activation, _, _ = inputs
     _, x_pool, z, plan = output
+    ctx.activation = activation
     ctx.mark_non_differentiable(x_pool, z, plan)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool, z and plan
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
@@ -222,40 +154,24 @@ def _backward(ctx, dy, _dx_pool, _dz, _dplan):
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, x_pool, z, plan, *needs, *main_grads)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, x_pool, z, plan, *needs,
+                               *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None, None
-
-
-def main_grad_of(weight: torch.Tensor, name: str) -> torch.Tensor | None:
-    """The weight's fp32 gradient buffer (`weight.main_grad`, the Megatron-LM convention), checked,
-    or None. With one, the fused backward adds the weight gradient into it in fp32 and leaves
-    `.grad` alone: no bf16 rounding of the gradient and no separate accumulation pass."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None:
-        return None
-    if (not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32
-            or main_grad.shape != weight.shape or main_grad.device != weight.device
-            or not main_grad.is_contiguous()):
-        got = (f"{main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}"
-               if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__)
-        raise ValueError(
-            f"{name}.main_grad must be a contiguous float32 tensor of shape {tuple(weight.shape)} on "
-            f"{weight.device}, got {got}; delete the attribute to get a bf16 .grad instead")
-    return main_grad
+    return dx, None, dweights, dw13, dw2, None, None, None
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool) -> torch.Tensor:
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool, activation: str = "swiglu"
+                       ) -> torch.Tensor:
     """y of the fused op; the routing plan is kept for the backward when one will run, and the pool
     of x and z as well unless recompute is on."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, backward_will_run and not recompute,
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, backward_will_run and not recompute,
                              backward_will_run)[0]

@@ -64,11 +64,12 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
                z: torch.Tensor | None = None) -> torch.Tensor:
     """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
     with z [rows, 2I], the gate | up pre-activations are written there too (the backward's z)."""
+    act = activation_id(activation)
     num_local, two_i, hidden = w13.shape
     h = a.new_empty(a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
                  _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), None if z is None else z.data_ptr(),
-                                       two_i // 2, hidden, activation_id(activation)), _native.stream(a.device))
+                                       two_i // 2, hidden, act), _native.stream(a.device))
     return h
 
 
@@ -89,13 +90,13 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
     the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩)."""
+    act = activation_id(activation)
     num_local, hidden, inter = w2.shape
     rows = dy_pool.shape[0]
     dz, hp = dy_pool.new_empty(rows, 2 * inter), dy_pool.new_empty(rows, inter)
     dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=dy_pool.device)
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
-                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden,
-                                     activation_id(activation))
+                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return dz, hp, dp_partial

@@ -13,7 +13,7 @@ from torch import nn
 from .functional import moe
 from .validation import BACKENDS, check_precision, check_recompute
 
-# The layout megamoe.moe takes (DESIGN.md §1), as flags of transformers' `use_experts_implementation`:
+# The layout megamoe.moe takes (docs/DESIGN.md), as flags of transformers' `use_experts_implementation`:
 # w13 = gate_up_proj [E, 2I, H] with gate rows then up rows, w2 = down_proj [E, H, I], no biases.
 _EXPECTED_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
 

@@ -1,17 +1,19 @@
-"""`MoELayer`: a full MoE block (Qwen3 router + experts through `megamoe.moe`), DESIGN.md §2."""
+"""`MoELayer`: a full MoE block (Qwen3 router + experts through `megamoe.moe`), see docs/DESIGN.md."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .activation import check_activation
 from .functional import moe
 from .router import route
 from .validation import BACKENDS, PRECISIONS, check_recompute, group_rank_and_size
 
 
 class MoELayer(nn.Module):
-    """Router as Qwen3 (linear gate, fp32 softmax, top-k, optional renormalisation) and SwiGLU experts.
+    """Router as Qwen3 (linear gate, fp32 softmax, top-k, optional renormalisation) and gated experts
+    (activation: one of megamoe.activation.ACTIVATIONS, SwiGLU by default).
 
     forward(hidden_states [..., H]) -> (y [..., H], router_logits [T, E]); the logits feed
     `megamoe.load_balancing_loss` (the aux loss of transformers' Qwen3-MoE).
@@ -19,24 +21,28 @@ class MoELayer(nn.Module):
     With use_expert_bias, a bias buffer [E] shifts expert *selection* (not the weights) and
     `update_expert_bias` nudges it towards balanced load (aux-loss-free balancing, DeepSeek-V3).
 
-    With a process group of W ranks, w13/w2 hold this rank's E/W experts (DESIGN.md §2); the router
+    With a process group of W ranks, w13/w2 hold this rank's E/W experts (docs/DESIGN.md); the router
     still scores all E experts.
 
     recompute (fused only): the experts keep only their inputs for the backward and recompute the
     rest there (`megamoe.moe(..., recompute=True)`): activation checkpointing of the experts, cheaper
     than wrapping them in torch.utils.checkpoint.
+
+    dtype (default torch.bfloat16, what backend='fused' computes in): the gate's and the experts'
+    parameters; forward takes hidden states of this dtype (the router's softmax runs in fp32).
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
                  *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
-                 device=None, dtype=None):
+                 activation: str = "swiglu", device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_recompute(backend, recompute)
+        self.activation = check_activation(activation)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
         _, world = group_rank_and_size(group)
@@ -70,6 +76,11 @@ class MoELayer(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden_states.dtype != self.w13.dtype:
+            raise TypeError(
+                f"MoELayer got hidden_states in {hidden_states.dtype} but its parameters are {self.w13.dtype}; "
+                f"cast the input (hidden_states.to({self.w13.dtype})) or build the layer with "
+                f"dtype={hidden_states.dtype} (backend='fused' computes in torch.bfloat16)")
         x = hidden_states.reshape(-1, self.hidden_size)
         routing = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.expert_bias)
         if self.expert_bias is not None:
@@ -77,7 +88,8 @@ class MoELayer(nn.Module):
                 ids = routing.topk_ids.flatten()
                 self.expert_load.zero_().index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         y = moe(x.contiguous(), routing.topk_ids, routing.topk_weights, self.w13, self.w2,
-                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute)
+                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute,
+                activation=self.activation)
         return y.view(hidden_states.shape), routing.router_logits
 
     @torch.no_grad()
@@ -95,5 +107,5 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, moe_intermediate_size={self.w2.shape[-1]}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
-                f"backend={self.backend!r}, precision={self.precision!r}, recompute={self.recompute}, "
-                f"expert_bias={self.expert_bias is not None}")
+                f"activation={self.activation!r}, backend={self.backend!r}, precision={self.precision!r}, "
+                f"recompute={self.recompute}, expert_bias={self.expert_bias is not None}")

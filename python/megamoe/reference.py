@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .activation import check_activation, gated
+
 
 def dense_routing_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
     ids = topk_ids.long()
@@ -17,15 +19,17 @@ def dense_routing_matrix(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num
     return (one_hot * (topk_weights * valid)[..., None]).sum(dim=1)  # [T, E]
 
 
-def reference_moe(x, topk_ids, topk_weights, w13, w2, *, dtype=torch.float64):
-    """y [T, H] in `dtype` for all experts on this device (E = w13.shape[0])."""
+def reference_moe(x, topk_ids, topk_weights, w13, w2, *, activation: str = "swiglu",
+                  dtype: torch.dtype = torch.float64):
+    """y [T, H] in `dtype` for all experts on this device (E = w13.shape[0]), h = act(gate) · up with
+    act the `activation` (megamoe.activation.ACTIVATIONS)."""
+    check_activation(activation)
     x, weights, w13, w2 = (t.to(dtype) for t in (x, topk_weights, w13, w2))
-    num_experts, two_i, _ = w13.shape
+    num_experts = w13.shape[0]
     routing = dense_routing_matrix(topk_ids, weights, num_experts)
     y = torch.zeros_like(x)
     for e in range(num_experts):
-        z = x @ w13[e].T
-        h = F.silu(z[:, : two_i // 2]) * z[:, two_i // 2:]
+        h = gated(x @ w13[e].T, activation)
         y = y + routing[:, e: e + 1] * (h @ w2[e].T)
     return y
 

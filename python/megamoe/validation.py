@@ -1,5 +1,6 @@
-"""Input checks shared by every backend: a clear exception before any kernel runs (the fused op
-checks the ids' range on the GPU instead: fused.py)."""
+"""Input checks: a clear exception before any kernel runs. check_moe_inputs serves every backend;
+check_fused_support, main_grad_of and IdRangeCheck (the fused op checks the ids' range on the GPU,
+after its launches are queued) serve the fused kernels on one rank and over a process group."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 
 def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id_range=True) -> MoEProblem:
-    """Validates the layer's inputs (DESIGN.md §2) and returns the problem sizes."""
+    """Validates the layer's inputs (docs/DESIGN.md) and returns the problem sizes."""
     names = ("x", "topk_ids", "topk_weights", "w13", "w2")
     for name, t in zip(names, (x, topk_ids, topk_weights, w13, w2)):
         _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
@@ -102,3 +103,79 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id
     return MoEProblem(num_tokens=x.shape[0], top_k=top_k, hidden_size=hidden,
                       intermediate_size=intermediate, num_local_experts=num_local,
                       num_experts=num_experts, expert_begin=rank * num_local)
+
+
+# Sizes the kernels take: H and I are tile multiples, H fits the dispatch row copy.
+SIZE_MULTIPLE = 128
+MAX_HIDDEN = 4096
+
+
+def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None:
+    """Raises before any launch when the kernels cannot run this problem."""
+    if x.device.type != "cuda":
+        raise ValueError(f"backend='fused' runs on CUDA tensors, got {x.device}; use backend='grouped' on the CPU")
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) != (9, 0):
+        raise NotImplementedError(
+            f"backend='fused' needs a Hopper GPU (sm_90, H100/H200), this is sm_{major}{minor}; "
+            "use backend='grouped'")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"backend='fused' computes in bfloat16, got x, w13, w2 in {x.dtype}")
+    if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE or hidden > MAX_HIDDEN:
+        raise ValueError(
+            f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (the GEMM tiles) and "
+            f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
+
+
+class IdRangeCheck:
+    """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
+    so no kernel reads out of bounds. The count comes to the host right behind the routing, on a
+    stream of its own (a copy between the compute stream's kernels would cost two ~5 µs switches
+    there), and the forward checks it once all its kernels are queued: the host waits for this
+    layer's routing, not for the whole queue ahead of it as a check before the launches would, and
+    the caller gets the exception instead of an output. Not while a CUDA graph is being captured,
+    where the host may not wait: there bad ids only stay masked (routed nowhere), as they were before
+    this check existed whenever the host check was skipped (torch.compile)."""
+
+    _copy_streams: dict = {}
+
+    def __init__(self, plan, num_experts: int):
+        self.num_experts = num_experts
+        self.active = not torch.cuda.is_current_stream_capturing()
+        if self.active:
+            device = plan.num_invalid.device
+            if device not in self._copy_streams:
+                self._copy_streams[device] = torch.cuda.Stream(device)
+            copy_stream = self._copy_streams[device]
+            copy_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(copy_stream):
+                self.count = plan.num_invalid.to("cpu", non_blocking=True)
+                self.routed = torch.cuda.Event()
+                self.routed.record(copy_stream)
+            plan.num_invalid.record_stream(copy_stream)  # the plan may be freed before the copy ran
+
+    def raise_if_any(self) -> None:
+        if not self.active:
+            return
+        self.routed.synchronize()
+        count = int(self.count)
+        if count:
+            raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
+
+
+def main_grad_of(weight: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The weight's fp32 gradient buffer (`weight.main_grad`, the Megatron-LM convention), checked,
+    or None. With one, the fused backward adds the weight gradient into it in fp32 and leaves
+    `.grad` alone: no bf16 rounding of the gradient and no separate accumulation pass."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return None
+    if (not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32
+            or main_grad.shape != weight.shape or main_grad.device != weight.device
+            or not main_grad.is_contiguous()):
+        got = (f"{main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}"
+               if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__)
+        raise ValueError(
+            f"{name}.main_grad must be a contiguous float32 tensor of shape {tuple(weight.shape)} on "
+            f"{weight.device}, got {got}; delete the attribute to get a bf16 .grad instead")
+    return main_grad

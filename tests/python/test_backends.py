@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megamoe
+from megamoe.activation import ACTIVATIONS
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import MoEShape
 
@@ -28,7 +29,7 @@ def poison_cuda_cache(gigabytes: float = 2.0) -> None:
 
 
 def edge_case_inputs(case: str, shape: MoEShape, device, seed=0):
-    """Routing edge cases from DESIGN.md §5 on fresh random data."""
+    """Routing edge cases (docs/DESIGN.md) on fresh random data."""
     tokens = {"t1": 1, "t0": 0, "odd_t": 77}.get(case, 200)
     if case == "k1":
         shape = MoEShape(shape.hidden_size, shape.intermediate_size, shape.num_experts, 1)
@@ -51,15 +52,16 @@ def leaf(t, dtype=None):
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_forward_and_gradients_match_reference(backend, case, device):
+def test_forward_and_gradients_match_reference(backend, case, device, activation):
     x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, device)
     inputs = [leaf(t) for t in (x, weights, w13, w2)]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
     poison_cuda_cache()
-    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend)
-    ref = reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3])
+    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend, activation=activation)
+    ref = reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3], activation=activation)
     assert y.shape == x.shape and y.dtype == x.dtype
     if x.shape[0] == 0:
         return
@@ -72,7 +74,32 @@ def test_forward_and_gradients_match_reference(backend, case, device):
         if want.grad.abs().max() == 0:
             assert got.grad.abs().max() == 0, name
             continue
+        if name == "dtopk_weights" and case == "t1":
+            continue  # two dot products, which may cancel: held to the bound below instead
         assert relative_error(got.grad, want.grad) < TOLERANCE, name
+    # d topk_weights[t, k] = <dy[t], o[t, k]> (o: the route's expert output), a dot product whose bf16
+    # error scales with ||dy[t]|| ||o[t, k]||, not with its value; masked routes must give exactly 0.
+    routes = torch.stack([reference_moe(ref_inputs[0], ids[:, k:k + 1], torch.ones_like(ref_inputs[1][:, :1]),
+                                        ref_inputs[2], ref_inputs[3], activation=activation)
+                          for k in range(ids.shape[1])], dim=1)
+    scale = dy.norm(dim=-1, keepdim=True) * routes.norm(dim=-1)
+    error = (inputs[1].grad.double() - ref_inputs[1].grad).abs()
+    assert torch.all(error <= TOLERANCE * scale), (error / scale).max().item()
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
+@pytest.mark.parametrize("case", ["t0", "all_masked"])
+def test_no_routed_tokens_give_zero_gradients(backend, case, device):
+    """Nothing routed (no tokens, or every route masked): the output still depends on every input,
+    so backward() runs and gives zero gradients of the inputs' shapes."""
+    x, ids, weights, w13, w2 = edge_case_inputs("t0" if case == "t0" else "balanced", SMALL, device)
+    ids.fill_(-1)
+    inputs = [leaf(t) for t in (x, weights, w13, w2)]
+    y = megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend=backend)
+    assert torch.all(y == 0)
+    y.float().sum().backward()
+    for name, t in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs):
+        assert t.grad is not None and t.grad.shape == t.shape and torch.all(t.grad == 0), name
 
 
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
@@ -87,15 +114,16 @@ def test_masked_routes_contribute_nothing(backend, device):
 
 
 @requires_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("preset,tokens", [("qwen3-30b-a3b", 1000), ("qwen3-235b-a22b", 300)])
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-def test_backends_at_model_shapes(preset, tokens, routing):
+def test_backends_at_model_shapes(preset, tokens, routing, activation):
     x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS[preset], tokens, routing,
                                                    device="cuda", seed=3)
-    ref = reference_moe(x, ids, weights, w13, w2)
+    ref = reference_moe(x, ids, weights, w13, w2, activation=activation)
     for backend in ("fused", *BASELINES):
         poison_cuda_cache()
-        y = megamoe.moe(x, ids, weights, w13, w2, backend=backend)
+        y = megamoe.moe(x, ids, weights, w13, w2, backend=backend, activation=activation)
         assert relative_error(y, ref) < TOLERANCE, backend
 
 
@@ -149,15 +177,17 @@ def test_fused_gradients_are_bitwise_deterministic():
 
 
 @requires_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("wanted", ["x", "topk_weights", "w13", "w2"])
-def test_fused_computes_only_the_gradients_asked_for(wanted):
+def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
     x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
     names = ("x", "topk_weights", "w13", "w2")
     inputs = [leaf(t) if n == wanted else t for n, t in zip(names, (x, weights, w13, w2))]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
     dy = torch.randn_like(x)
-    megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused").backward(dy)
-    reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3]).backward(dy.double())
+    megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused", activation=activation).backward(dy)
+    reference_moe(ref_inputs[0], ids, ref_inputs[1], ref_inputs[2], ref_inputs[3],
+                  activation=activation).backward(dy.double())
     for n, got, want in zip(names, inputs, ref_inputs):
         if n == wanted:
             assert relative_error(got.grad, want.grad) < TOLERANCE, n
@@ -192,16 +222,31 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, True, True)
-        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, False, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, x_pool, z, plan, True, False, True, True, None,
-                                   None)
+        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", True, True)
+        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", False, False)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", x_pool, z, plan, True, False, True, True,
+                                   None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_op_autograd_gives_gradient_shapes_under_fake_tensors(recompute, activation):
+    """The op's autograd registration (what its backward is handed and returns), without a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megamoe.fused import fused_moe_autograd
+
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        fused_moe_autograd(leaves[0], ids, *leaves[1:], recompute, activation).sum().backward()
+        assert [(t.grad.shape, t.grad.dtype) for t in leaves] == [(t.shape, t.dtype) for t in leaves]
 
 
 @pytest.mark.parametrize("backend,device", BACKEND_DEVICES)
@@ -277,7 +322,7 @@ def test_fused_accumulates_weight_gradients_into_fp32_main_grad():
     ("buffer", "got str"),
 ])
 def test_main_grad_must_be_an_fp32_buffer_of_the_weights_shape(main_grad, message):
-    from megamoe.fused import main_grad_of
+    from megamoe.validation import main_grad_of
 
     weight = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
     assert main_grad_of(weight, "w2") is None

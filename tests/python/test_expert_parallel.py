@@ -1,4 +1,4 @@
-"""Expert parallelism's data path on W virtual ranks of one GPU (megamoe.expert_parallel): the same
+"""Expert parallelism's data path on W virtual ranks of one GPU (virtual_ranks.py): the same
 layer split over ranks gives, forward and backward, bit for bit what one rank holding every expert
 gives (which the fused tests hold against the fp64 reference; the forward is checked against it here
 too)."""
@@ -6,8 +6,9 @@ too)."""
 import pytest
 import torch
 
+import virtual_ranks
 from conftest import requires_cuda
-from megamoe import expert_parallel
+from megamoe.activation import ACTIVATIONS
 from megamoe.fused import fused_moe_backward, fused_moe_forward
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import make_routing
@@ -35,29 +36,31 @@ def _sm90():
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank,num_experts", [([300, 200], 8), ([257, 0, 64, 1], 16), ([130], 8)])
-def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts):
+def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
-    ys = expert_parallel.forward_virtual_ranks(xs, ids, weights, w13s, w2s)
-    y_one = fused_moe_forward(*whole, False, False)[0]
+    ys = virtual_ranks.forward_virtual_ranks(xs, ids, weights, w13s, w2s, activation)
+    y_one = fused_moe_forward(*whole, activation, False, False)[0]
     for r, (y, expected) in enumerate(zip(ys, y_one.split(tokens_per_rank))):
         assert y.shape == expected.shape
         assert torch.equal(y, expected), f"rank {r} differs from the single-rank output"
     y_all = torch.cat(ys)
-    assert relative_error(y_all.double(), reference_moe(*whole)) <= 1e-2
+    assert relative_error(y_all.double(), reference_moe(*whole, activation=activation)) <= 1e-2
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank,num_experts", [([300, 200], 8), ([257, 0, 64, 1], 16)])
-def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_experts):
+def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
     dy = torch.randn_like(whole[0])
-    dxs, dweights, dw13s, dw2s = expert_parallel.backward_virtual_ranks(
-        list(dy.split(tokens_per_rank)), xs, ids, weights, w13s, w2s)
+    dxs, dweights, dw13s, dw2s = virtual_ranks.backward_virtual_ranks(
+        list(dy.split(tokens_per_rank)), xs, ids, weights, w13s, w2s, activation)
     empty = whole[0].new_empty(0)
-    dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, empty, empty, whole[1].new_empty(0), True, True, True, True,
-                                                None, None)
+    dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, activation, empty, empty, whole[1].new_empty(0),
+                                                True, True, True, True, None, None)
     assert torch.equal(torch.cat(dxs), dx)
     assert torch.equal(torch.cat(dweights), dweight)
     assert torch.equal(torch.cat(dw13s), dw13)
@@ -76,17 +79,17 @@ def test_rejects_inconsistent_ranks(mutate, match):
     args = {"xs": xs, "topk_ids": ids, "topk_weights": weights, "w13s": w13s, "w2s": w2s}
     mutate(args)
     with pytest.raises((ValueError, TypeError), match=match):
-        expert_parallel.forward_virtual_ranks(**args)
+        virtual_ranks.forward_virtual_ranks(**args)
 
 
 def test_backward_rejects_a_mismatched_dy():
     xs, ids, weights, w13s, w2s, _ = _problem([6, 5], 4, "cpu")
     dys = [xs[0], xs[1][:2]]
     with pytest.raises(ValueError, match="dy of rank 1 must be"):
-        expert_parallel.backward_virtual_ranks(dys, xs, ids, weights, w13s, w2s)
+        virtual_ranks.backward_virtual_ranks(dys, xs, ids, weights, w13s, w2s)
 
 
 def test_cpu_tensors_are_refused_with_the_alternative():
     xs, ids, weights, w13s, w2s, _ = _problem([6, 5], 4, "cpu")
     with pytest.raises(ValueError, match="CUDA tensors"):
-        expert_parallel.forward_virtual_ranks(xs, ids, weights, w13s, w2s)
+        virtual_ranks.forward_virtual_ranks(xs, ids, weights, w13s, w2s)

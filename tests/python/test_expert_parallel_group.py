@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import megamoe
 from conftest import requires_cuda
+from megamoe.activation import ACTIVATIONS
 from megamoe.expert_parallel_group import _workspace
 from test_expert_parallel import _problem, _sm90
 
@@ -28,7 +29,8 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_()
 
 
-def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False):
+def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
+                            activation="swiglu"):
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
     torch.cuda.set_device(rank if one_gpu_per_rank else 0)
     torch.manual_seed(0)  # the same problem in every process
@@ -36,11 +38,11 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, on
     dy = torch.randn_like(whole[0])
     for _ in range(2):  # the second call reuses the shared buffers and the barrier's epochs
         x, w, w13, w2 = (_leaf(t) for t in (xs[rank], weights[rank], w13s[rank], w2s[rank]))
-        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD)
+        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD, activation=activation)
         y.backward(dy.split(tokens_per_rank)[rank])
 
     x1, w1, w131, w21 = (_leaf(t) for t in (whole[0], whole[2], whole[3], whole[4]))
-    y1 = megamoe.moe(x1, whole[1], w1, w131, w21, recompute=True)
+    y1 = megamoe.moe(x1, whole[1], w1, w131, w21, recompute=True, activation=activation)
     y1.backward(dy)
     tokens = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
     experts = slice(rank * w13.shape[0], (rank + 1) * w13.shape[0])
@@ -99,9 +101,10 @@ def _spawn(fn, world, tmp_path, *args):
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 # K = 4: two ranks copy their peer's rows whole before the pull, four pull them in place.
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
-def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
-    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8)
+def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank, activation):
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, activation)
 
 
 @requires_cuda

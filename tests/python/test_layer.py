@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import megamoe
-from megamoe.reference import relative_error
+from megamoe.activation import ACTIVATIONS
+from megamoe.reference import reference_moe, relative_error
 from megamoe.router import route
 
 BF16_TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation (as test_backends)
@@ -68,8 +69,9 @@ def make_layer(backend, **kwargs):
     return megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend=backend, dtype=torch.bfloat16, **kwargs)
 
 
-def test_layer_naive_and_grouped_agree():
-    layers = {backend: make_layer(backend) for backend in ("naive", "grouped")}
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_layer_naive_and_grouped_agree(activation):
+    layers = {backend: make_layer(backend, activation=activation) for backend in ("naive", "grouped")}
     x = torch.randn(2, 50, 64, dtype=torch.bfloat16)
     outputs, grads = {}, {}
     for backend, layer in layers.items():
@@ -83,6 +85,25 @@ def test_layer_naive_and_grouped_agree():
     assert relative_error(outputs["grouped"], outputs["naive"]) < BF16_TOLERANCE
     for name in grads["naive"]:
         assert relative_error(grads["grouped"][name], grads["naive"][name]) < BF16_TOLERANCE, name
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("backend", ["naive", "grouped"])
+def test_layer_experts_match_the_reference(backend, activation):
+    """The layer's output and expert weight gradients against the fp64 reference on its routing."""
+    layer = make_layer(backend, activation=activation)
+    x = torch.randn(100, 64, dtype=torch.bfloat16)
+    y, _ = layer(x)
+    routing = route(x, layer.gate.weight.detach(), 2)
+    w13, w2 = (p.detach().double().requires_grad_() for p in (layer.w13, layer.w2))
+    ref = reference_moe(x, routing.topk_ids, routing.topk_weights, w13, w2, activation=activation)
+    assert relative_error(y, ref) < BF16_TOLERANCE
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    assert relative_error(layer.w13.grad, w13.grad) < BF16_TOLERANCE
+    assert relative_error(layer.w2.grad, w2.grad) < BF16_TOLERANCE
+    assert f"activation={activation!r}" in repr(layer)
 
 
 def test_layer_parameters_and_init():
@@ -120,9 +141,25 @@ def test_layer_recompute_reaches_the_fused_op(monkeypatch):
     layer = megamoe.MoELayer(64, 32, 4, 2, backend="fused", recompute=True)
     calls = []
     monkeypatch.setattr(megamoe.layer, "moe", lambda x, *args, **kwargs: calls.append(kwargs) or x * 0)
-    layer(torch.randn(8, 64))
+    layer(torch.randn(8, 64, dtype=torch.bfloat16))
     assert calls[0]["recompute"] is True and "recompute=True" in repr(layer)
     with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
         megamoe.MoELayer(64, 32, 4, 2, backend="grouped", recompute=True)
     with pytest.raises(ValueError, match="fused backend's own recomputation"):
         megamoe.moe(*megamoe.make_inputs(megamoe.shapes.MoEShape(64, 32, 4, 2), 8), backend="grouped", recompute=True)
+
+
+def test_layer_defaults_to_bfloat16_parameters_and_runs_bfloat16_input():
+    """The README's usage: a layer built without dtype takes bf16 hidden states."""
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped")
+    assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+    y, router_logits = layer(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    assert y.shape == (2, 5, 64) and y.dtype == torch.bfloat16 and router_logits.shape == (10, 8)
+
+
+def test_layer_names_the_dtype_mismatch_and_the_fix():
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped")
+    with pytest.raises(TypeError, match=r"torch\.float32.*torch\.bfloat16.*\.to\(torch\.bfloat16\).*dtype="):
+        layer(torch.randn(10, 64))
+    fp32 = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped", dtype=torch.float32)
+    assert fp32(torch.randn(10, 64))[0].dtype == torch.float32

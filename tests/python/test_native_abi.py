@@ -1,5 +1,6 @@
-"""The ctypes mirror of the C API (megamoe._native) against the header it mirrors: every struct's
-fields, every function's argument and return types, and the constants. Needs no GPU and no build."""
+"""The ctypes mirror of the C API (megamoe._native) against the header it mirrors,
+csrc/include/megamoe/megamoe.h: every struct's fields, every function's argument and return types,
+and the constants. Needs no GPU and no build."""
 
 from __future__ import annotations
 

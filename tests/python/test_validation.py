@@ -1,5 +1,7 @@
 """Every validation rule of the public API: the bad input and the message a user sees."""
 
+import re
+
 import pytest
 import torch
 
@@ -132,3 +134,49 @@ def test_fused_forward_can_be_captured_in_a_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+
+def _entry_points():
+    """Every function that takes an activation, called with good CPU inputs and activation='bogus'."""
+    import virtual_ranks
+    from megamoe import backends, expert_parallel_group, gemm
+    from megamoe.fused import fused_moe_backward, fused_moe_forward
+
+    def bf16():
+        return [t.to(torch.bfloat16) if t.is_floating_point() else t for t in good_inputs()]
+
+    def fused_backward():
+        x, ids, weights, w13, w2 = good_inputs()
+        empty, no_plan = x.new_empty(0), ids.new_empty(0, dtype=torch.int32)
+        return fused_moe_backward(x, x, ids, weights, w13, w2, "bogus", empty, empty, no_plan, True, True, True, True,
+                                  None, None)
+
+    def virtual(fn, with_dys=False):
+        x, ids, weights, w13, w2 = bf16()
+        return fn(*([[x]] if with_dys else []), [x], [ids], [weights], [w13], [w2], activation="bogus")
+
+    return {
+        **{f"moe[{b}]": (lambda b=b: megamoe.moe(*good_inputs(), backend=b, activation="bogus"))
+           for b in ("naive", "grouped", "fused")},
+        "fused_moe": lambda: megamoe.fused_moe(*good_inputs(), activation="bogus"),
+        "reference_moe": lambda: megamoe.reference_moe(*good_inputs(), activation="bogus"),
+        "grouped_moe": lambda: backends.grouped_moe(*good_inputs(), activation="bogus"),
+        "naive_moe": lambda: backends.naive_moe(*good_inputs(), activation="bogus"),
+        "MoELayer": lambda: megamoe.MoELayer(64, 32, 4, 2, backend="grouped", activation="bogus"),
+        "fused_moe_forward": lambda: fused_moe_forward(*good_inputs(), "bogus", False, False),
+        "fused_moe_backward": fused_backward,
+        "group_moe": lambda: expert_parallel_group.group_moe(*bf16(), None, "bogus"),
+        "gated_gemm": lambda: gemm.gated_gemm(bf16()[X], bf16()[W13], None, "bogus"),
+        "gated_backward": lambda: gemm.gated_backward(bf16()[X], bf16()[W2], bf16()[X], None, None, "bogus"),
+        "forward_virtual_ranks": lambda: virtual(virtual_ranks.forward_virtual_ranks),
+        "backward_virtual_ranks": lambda: virtual(virtual_ranks.backward_virtual_ranks, with_dys=True),
+    }
+
+
+@pytest.mark.parametrize("entry_point", sorted(_entry_points()))
+def test_unknown_activation_raises_from_every_entry_point(entry_point):
+    from megamoe.activation import ACTIVATIONS
+
+    with pytest.raises(ValueError, match=re.escape(f"activation must be one of {ACTIVATIONS}, got 'bogus'")):
+        _entry_points()[entry_point]()

@@ -1,5 +1,5 @@
 // dp reduce: dp[route] = Σ_t dp_partial[slot, t] over the dh epilogue's per-n-tile partial sums
-// (epilogue_gated_backward.cuh), t ascending, fp32. Deterministic, no atomics. Routes without a
+// (kernels/grouped_gemm/epilogue_gated_backward.cuh), t ascending, fp32. Deterministic, no atomics. Routes without a
 // slot (masked, non-local) or with a slot outside the pool get 0.
 #include <algorithm>
 #include <string>

@@ -1,4 +1,4 @@
-"""MoE backends: the same math (DESIGN.md §1) through different implementations."""
+"""MoE backends: the same math (docs/DESIGN.md) through different implementations."""
 
 from .grouped import grouped_moe
 from .naive import naive_moe

@@ -1,7 +1,8 @@
 """`grouped`: the TorchTitan-style path.
 
 Sort routes by expert (each expert's rows padded to ALIGN_M for the grouped GEMM's 16-byte TMA
-alignment), gather x, torch._grouped_mm, SwiGLU, torch._grouped_mm, then the weighted combine.
+alignment), gather x, torch._grouped_mm, the gated activation (megamoe.activation), torch._grouped_mm,
+then the weighted combine.
 No host synchronisation and no data-dependent shapes (torch.compile traces it whole): the sorted
 buffer has a fixed worst-case size, and the last group is stretched over the unused tail, whose rows
 gather a zero row, so every row is computed and finite. The row permutations are gathers in both
@@ -11,7 +12,8 @@ directions (no scatter-add atomics), so forward and backward are deterministic.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..activation import check_activation, gated
 
 ALIGN_M = 8  # TorchTitan's token-group alignment for bf16
 
@@ -77,13 +79,15 @@ class _GatherRoutes(torch.autograd.Function):
         return grad, None
 
 
-def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, expert_begin: int = 0):
+def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, expert_begin: int = 0,
+                activation: str = "swiglu") -> torch.Tensor:
+    check_activation(activation)
     num_tokens, top_k = topk_ids.shape
-    num_local, two_i, hidden = w13.shape
+    num_local, _, hidden = w13.shape
     route_row, row_token, group_ends = sort_routes_by_expert(topk_ids, num_local, expert_begin)
     xs = _GatherTokens.apply(x, row_token, route_row, top_k)
     z = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=group_ends)
-    h = F.silu(z[:, : two_i // 2]) * z[:, two_i // 2:]
+    h = gated(z, activation)
     o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=group_ends)
     routed = _GatherRoutes.apply(o, route_row).view(num_tokens, top_k, hidden)
     # Masked routes read the tail row (zero input, zero output); a zero weight also zeroes the

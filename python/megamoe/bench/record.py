@@ -7,7 +7,7 @@ import dataclasses
 from megamoe.shapes import PRESETS
 
 MODES = ("fwd", "fwdbwd")
-# Backward is 12·H·I per route against the forward's 6·H·I (docs/DESIGN.md §1): fwd + bwd = 3× forward.
+# Backward is 12·H·I per route against the forward's 6·H·I (docs/DESIGN.md): fwd + bwd = 3× forward.
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3}
 BASELINE = "grouped"
 

@@ -24,7 +24,7 @@ SUSTAINED_BUDGET_S = 2.0
 REPEAT_CAP = 10000
 # A GPU that was idle before (a process's first measurement) stays below its power limit for the
 # first seconds of load: on the H200 the first figure of a process ran at ~510 W and 2.45 ms where the
-# same call right after ran at 692 W and 2.52 ms (bench/results/logs/power_first_figure_5d938a3.log).
+# same call right after ran at 692 W and 2.52 ms (docs/PERFORMANCE.md, sustained timing).
 # A device's first sustained warm-up therefore lasts at least this long.
 FIRST_LOAD_WARMUP_S = 4.0
 

@@ -5,7 +5,7 @@ curve is compared with the reference backend's (naive: transformers' eager loop 
 Backends that cannot run here are recorded as skipped.
 
 Tolerance. Backends compute the same math in bf16 and differ only in rounding (summation order), so:
-- step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound of docs/DESIGN.md §5;
+- step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound the tests use (1e-2);
 - after that, training amplifies last-bit differences chaotically: curves wander apart by the run-to-run
   noise of the training itself, not by an error. That noise is measured, not guessed: the reference
   trains --noise-runs more times, each from its initial weights changed by about one bf16 rounding

@@ -1,4 +1,6 @@
-"""Expert parallelism's data path (DESIGN.md §3), pull model, run on W virtual ranks of one GPU.
+"""Expert parallelism's data path (docs/DESIGN.md), pull model, run on W virtual ranks of one GPU:
+the library's dispatch and combine over peers (megamoe.exchange) and the owners' backward
+(megamoe.expert_parallel_group.owner_backward), driven rank by rank in one process for the tests.
 
 Rank r holds tokens x_r [T_r, H] with router output (topk_ids_r, topk_weights_r) over all E experts,
 and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
@@ -6,17 +8,17 @@ and the weights of its E / W experts [r E/W, (r + 1) E/W). One forward:
 1. metadata: every rank gets every rank's topk_ids (an all-gather; here a concatenation), so each
    builds the routing plan of its own experts over all routes, numbered rank by rank;
 2. dispatch: each rank pulls the token rows its experts need from the other ranks' x into its
-   expert-major pool (megamoe_dispatch_peers_bf16, through a table of the ranks' x pointers);
-3. GEMM1 + SwiGLU and GEMM2 on the rank's own pool, the kernels of one rank, GEMM2 in pool order;
+   expert-major pool (exchange.pull_rows, through a table of the ranks' x pointers);
+3. GEMM1 with the gated activation and GEMM2 on the rank's own pool, the kernels of one rank, GEMM2 in pool order;
 4. combine: each rank pulls its routes' output rows from the experts' owners and reduces them in the
-   single-rank combine's fixed order (megamoe_combine_peers_bf16), so W ranks give bit for bit the
+   single-rank combine's fixed order (exchange.combine_from_owners), so W ranks give bit for bit the
    output of one rank holding every expert.
 
 Here the phases run one after another over the ranks on one stream, which stands in for the
 barriers real ranks need between phases, and the peer tables point at buffers of one device where
 real ranks would pass symmetric memory of their peers. That checks the protocol and the kernels on
 one GPU; megamoe.moe(group=...) runs the same kernels between the processes of a group
-(expert_parallel_group.py).
+(megamoe/expert_parallel_group.py).
 backward_virtual_ranks is the backward of the same data path (owners pull dy and p, run the
 single-rank backward kernels on their pools, ranks pull dx rows and dp values back).
 """
@@ -28,13 +30,17 @@ import itertools
 
 import torch
 
-from . import _native
-from .fused import IdRangeCheck, check_fused_support
-from .gemm import grouped_gemm, grouped_gemm_scatter, grouped_gemm_swiglu, reduce_dp, swiglu_backward, weight_grad
-from .routing import build_routing
+from megamoe import _native
+from megamoe.exchange import combine_from_owners, pointer_table, pull_rows
+from megamoe.expert_parallel_group import owner_backward
+from megamoe.activation import check_activation
+from megamoe.gemm import gated_gemm, grouped_gemm
+from megamoe.routing import build_routing
+from megamoe.validation import IdRangeCheck, check_fused_support
 
 
-def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
+def _check(xs, topk_ids, topk_weights, w13s, w2s, activation) -> None:
+    check_activation(activation)
     world = len(xs)
     if not 1 <= world <= _native.MAX_PEERS:
         raise ValueError(f"expert parallelism runs 1 to {_native.MAX_PEERS} ranks, got {world}")
@@ -64,52 +70,6 @@ def _check(xs, topk_ids, topk_weights, w13s, w2s) -> None:
     check_fused_support(xs[0], w13_shape[2], w13_shape[1] // 2)
 
 
-def pointer_table(buffers):
-    """A host array of device pointers (of tensors, or addresses): the peer tables the pull kernels take."""
-    return (ctypes.c_void_p * len(buffers))(*(b if isinstance(b, int) else b.data_ptr() for b in buffers))
-
-
-def pull_rows(plan, rows_table, route_offsets, like: torch.Tensor, weights_table=None):
-    """The pool of the owner whose `plan` this is: its routes' rows from every rank's rows [T_r, H]
-    (rows_table; route_offsets: a host int64 array of W + 1), and with weights_table (every rank's
-    fp32 [T_r, K]) each pool row's weight as well."""
-    world, (top_k, hidden) = len(route_offsets) - 1, (plan.route_to_slot.shape[1], like.shape[1])
-    max_blocks = plan.block_expert.numel()
-    pool = like.new_empty(max_blocks * _native.BLOCK_M, hidden)
-    weights_pool = None if weights_table is None else torch.empty(pool.shape[0], dtype=torch.float32,
-                                                                  device=pool.device)
-    _native.check(_native.library().megamoe_dispatch_peers_bf16(
-        rows_table, route_offsets, world, pool.data_ptr(), plan.slot_to_route.data_ptr(), plan.num_blocks.data_ptr(),
-        max_blocks, top_k, hidden, weights_table, None if weights_table is None else weights_pool.data_ptr(),
-        _native.stream(like.device)), "expert-parallel dispatch")
-    return pool if weights_table is None else (pool, weights_pool)
-
-
-def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor, route_offset: int,
-                        like: torch.Tensor) -> torch.Tensor:
-    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool), summed as
-    the single-rank combine sums."""
-    y = torch.empty_like(like)
-    weights = weights.to(torch.float32).contiguous()
-    _native.check(_native.library().megamoe_combine_peers_bf16(
-        out_table, route_to_slot_table, world, weights.data_ptr(), route_offset, y.data_ptr(), y.shape[0],
-        weights.shape[1], y.shape[1], _native.stream(like.device)), "expert-parallel combine")
-    return y
-
-
-def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, num_routes: int, dx_pool, dw13, dw2) -> torch.Tensor:
-    """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
-    z recomputed, dh through the SwiGLU backward, dx per route in pool order into dx_pool, its experts'
-    weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp [num_routes] fp32, 0 for
-    the routes it does not own."""
-    dz, hp, dp_partial = swiglu_backward(dy_pool, w2, grouped_gemm(x_pool, w13, plan), p_pool, plan)
-    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
-    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
-    weight_grad(dz, x_pool, plan, dw13)
-    weight_grad(dy_pool, hp, plan, dw2)
-    return reduce_dp(dp_partial, plan, num_routes)
-
-
 class _Ranks:
     """The W ranks' shared view: global route numbering, every owner's plan over all routes, and
     the peer tables the pull kernels take."""
@@ -137,37 +97,38 @@ class _Ranks:
                                    self.world, weights, self.route_offsets[r], x)
 
 
-def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s) -> list[torch.Tensor]:
+def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s, activation: str = "swiglu"
+                          ) -> list[torch.Tensor]:
     """[y_r for each rank]: the MoE layer's forward with rank r's tokens (xs[r], topk_ids[r] global
     expert ids, -1 masked, topk_weights[r]) and rank r owning experts [r E/W, (r + 1) E/W) (w13s[r],
     w2s[r]), through the pull-model kernels and peer tables of expert parallelism."""
-    _check(xs, topk_ids, topk_weights, w13s, w2s)
+    _check(xs, topk_ids, topk_weights, w13s, w2s, activation)
     if sum(x.shape[0] for x in xs) == 0:
         return [torch.empty_like(x) for x in xs]
     ranks = _Ranks(xs, topk_ids, w13s)
     outs = []
     for d, plan in enumerate(ranks.plans):
-        h = grouped_gemm_swiglu(ranks.pull_rows(d, xs), w13s[d], plan)
+        h = gated_gemm(ranks.pull_rows(d, xs), w13s[d], plan, activation)
         outs.append(grouped_gemm(h, w2s[d], plan))
     ys = [ranks.combine(r, x, outs, topk_weights[r]) for r, x in enumerate(xs)]
     ranks.id_range.raise_if_any()
     return ys
 
 
-def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
+def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s, activation: str = "swiglu"):
     """(dxs, d topk_weights, dw13s, dw2s), one entry per rank: the backward of forward_virtual_ranks
     for output gradients dys[r] [T_r, H]. Each expert's owner pulls x, dy and p, recomputes z, and
-    runs the single-rank backward kernels on its pool (dh with the SwiGLU backward, dx per route in
-    pool order, the weight gradients of its own experts, dp of the routes it owns); then every rank
-    pulls its routes' dx rows and dp values from their owners. dp is pulled by adding the owners'
-    per-route dp vectors, in which every other owner holds 0 for that route (exact)."""
+    runs the single-rank backward kernels on its pool (dh with the activation's backward, dx per
+    route in pool order, the weight gradients of its own experts, dp of the routes it owns); then
+    every rank pulls its routes' dx rows and dp values from their owners. dp is pulled by adding the
+    owners' per-route dp vectors, in which every other owner holds 0 for that route (exact)."""
     if len(dys) != len(xs):
         raise ValueError(f"dys needs one entry per rank ({len(xs)}), got {len(dys)}")
     for r, (dy, x) in enumerate(zip(dys, xs)):
         if dy.shape != x.shape or dy.dtype != torch.bfloat16 or dy.device != x.device:
             raise ValueError(f"dy of rank {r} must be a bfloat16 tensor shaped like its x {tuple(x.shape)} "
                              f"on {x.device}, got {dy.dtype} {tuple(dy.shape)} on {dy.device}")
-    _check(xs, topk_ids, topk_weights, w13s, w2s)
+    _check(xs, topk_ids, topk_weights, w13s, w2s, activation)
     if sum(x.shape[0] for x in xs) == 0:
         return ([torch.zeros_like(x) for x in xs], [torch.zeros_like(w) for w in topk_weights],
                 [torch.zeros_like(w) for w in w13s], [torch.zeros_like(w) for w in w2s])
@@ -181,8 +142,8 @@ def backward_virtual_ranks(dys, xs, topk_ids, topk_weights, w13s, w2s):
         dx_pools.append(x_pool.new_empty(x_pool.shape))
         dw13s.append(torch.empty_like(w13s[d]))
         dw2s.append(torch.empty_like(w2s[d]))
-        dps.append(owner_backward(x_pool, dy_pool, p_pool, w13s[d], w2s[d], plan, ranks.route_offsets[-1],
-                                  dx_pools[d], dw13s[d], dw2s[d]))
+        dps.append(owner_backward(x_pool, dy_pool, p_pool, w13s[d], w2s[d], plan,
+                                  dx_pools[d], dw13s[d], dw2s[d], activation))
     ones = [torch.ones_like(w) for w in weights]
     dxs = [ranks.combine(r, x, dx_pools, ones[r]) for r, x in enumerate(xs)]
     dp_all = torch.stack(dps).sum(0)

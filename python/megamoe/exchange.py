@@ -1,0 +1,85 @@
+"""Every dispatch and combine of the fused layer (the core's csrc/kernels/dispatch_combine), on one rank and over
+the ranks of expert parallelism (docs/DESIGN.md).
+
+dispatch: token rows [T, H] -> a routing plan's expert-major pool [pool rows, H] (and, with the
+routes' topk weights, each pool row's weight); combine: the routes' rows -> y [T, H] = Σ_k p[t, k] ·
+row of (t, k), summed in a fixed order. Over W ranks the model is pull: each owner pulls the rows its
+experts need from every rank (pull_rows), and each rank pulls its routes' rows back from their
+owners and sums them in the single-rank combine's order (combine_from_owners), so W ranks give bit
+for bit the output of one. The peers' buffers are passed as host tables of device pointers
+(pointer_table). expert_parallel_group.py runs this between the processes of a group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _native
+from .routing import RoutingPlan
+
+
+def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
+    """The plan's pool [pool rows, H] of rows [T, H]: each live pool row holds its route's token row;
+    padding rows are zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's
+    route weight, 0 on padding rows."""
+    pool = rows.new_empty(plan.slot_to_route.numel(), rows.shape[1])
+    weights_pool = None
+    if weights is not None:
+        weights = weights.to(torch.float32).contiguous()
+        weights_pool = torch.empty(pool.shape[0], dtype=torch.float32, device=pool.device)
+    args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _pointer(weights), _pointer(weights_pool),
+                                rows.shape[1])
+    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
+    return pool if weights is None else (pool, weights_pool)
+
+
+def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, H] = Σ_k weights[t, k] · routed[t K + k] over the plan's routed (t, k) (masked routes
+    add nothing), routed [T K, H] in (token, k) order, summed in a fixed order."""
+    num_tokens, hidden = plan.route_to_slot.shape[0], routed.shape[1]
+    y = routed.new_empty(num_tokens, hidden)
+    weights = weights.to(torch.float32).contiguous()
+    _native.call("megamoe_combine_bf16", "combine", plan.native(),
+                 _native.CombineArgs(routed.data_ptr(), weights.data_ptr(), y.data_ptr(), hidden),
+                 _native.stream(routed.device))
+    return y
+
+
+def _pointer(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def pointer_table(buffers):
+    """A host array of device pointers (of tensors, or addresses): the peer tables the pull kernels take."""
+    return (ctypes.c_void_p * len(buffers))(*(b if isinstance(b, int) else b.data_ptr() for b in buffers))
+
+
+def pull_rows(plan: RoutingPlan, rows_table, route_offsets, like: torch.Tensor, weights_table=None):
+    """The pool of the owner whose `plan` (over every rank's routes) this is: its routes' rows from
+    every rank's rows [T_r, H] (rows_table; route_offsets: a host int64 array of W + 1, each rank's
+    first route), and with weights_table (every rank's fp32 [T_r, K]) each pool row's weight as well."""
+    pool = like.new_empty(plan.slot_to_route.numel(), like.shape[1])
+    weights_pool = None if weights_table is None else torch.empty(pool.shape[0], dtype=torch.float32,
+                                                                  device=pool.device)
+    args = _native.DispatchPeersArgs(ctypes.cast(rows_table, ctypes.c_void_p), ctypes.cast(route_offsets,
+                                     ctypes.c_void_p), None if weights_table is None else
+                                     ctypes.cast(weights_table, ctypes.c_void_p), pool.data_ptr(),
+                                     _pointer(weights_pool), len(route_offsets) - 1, like.shape[1])
+    _native.call("megamoe_dispatch_peers_bf16", "expert-parallel dispatch", plan.native(), args,
+                 _native.stream(like.device))
+    return pool if weights_table is None else (pool, weights_pool)
+
+
+def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor, route_offset: int,
+                        like: torch.Tensor) -> torch.Tensor:
+    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool), summed as
+    the single-rank combine sums; route_offset: this rank's first route in the owners' plans."""
+    y = torch.empty_like(like)
+    weights = weights.to(torch.float32).contiguous()
+    args = _native.CombinePeersArgs(ctypes.cast(out_table, ctypes.c_void_p),
+                                    ctypes.cast(route_to_slot_table, ctypes.c_void_p), weights.data_ptr(),
+                                    y.data_ptr(), route_offset, y.shape[0], weights.shape[1], world, y.shape[1])
+    _native.call("megamoe_combine_peers_bf16", "expert-parallel combine", args, _native.stream(like.device))
+    return y
