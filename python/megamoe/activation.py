@@ -14,9 +14,10 @@ import torch.nn.functional as F
 # name -> act, applied to the gate half of z; in the order of the C API's MEGAMOE_ACTIVATION_* ids.
 _GATES = {
     "swiglu": F.silu,
+    "geglu": lambda gate: F.gelu(gate, approximate="tanh"),
 }
 
-ACTIVATIONS = tuple(_GATES)  # ("swiglu",)
+ACTIVATIONS = tuple(_GATES)
 
 
 def check_activation(activation) -> str:

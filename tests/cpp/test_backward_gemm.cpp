@@ -242,7 +242,7 @@ TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
              a.hidden = 1 << 20;
            },
            "the rows of w2 = 4294967296 exceeds the 32-bit row range"},
-          {[](auto&, auto& a) { a.activation = 1; }, "unknown activation 1"},
+          {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
       });
 }
 

@@ -463,7 +463,7 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
              a.intermediate = 1 << 20;
            },
            "the rows of w13 = 4294967296 exceeds the 32-bit row range"},
-          {[](auto&, auto& a) { a.activation = 1; }, "unknown activation 1"},
+          {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
           {[](auto&, auto& a) { a.activation = -1; }, "unknown activation -1"},
       });
 }

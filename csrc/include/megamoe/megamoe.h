@@ -212,6 +212,7 @@ int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gem
 // Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_ACTIVATION_SWIGLU 0  // act = silu(g) = g / (1 + exp(-g))
+#define MEGAMOE_ACTIVATION_GEGLU 1   // act = gelu(g), tanh approximation: g / 2 (1 + tanh(√(2/π) (g + 0.044715 g³)))
 
 // ---------------------------------------------------------------------------------------------
 // GEMM1 of the expert MLP with the gated activation fused into the epilogue.

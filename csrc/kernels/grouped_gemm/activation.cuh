@@ -27,12 +27,39 @@ struct Silu {
   }
 };
 
+// GeGLU's gate, GELU in its tanh approximation (as torch's gelu(approximate="tanh")). With
+// y = √(2/π) (g + 0.044715 g³), ½ (1 + tanh y) = σ(2y), so gelu(g) = g σ(2y) and
+// gelu'(g) = σ(2y) + g σ(2y) (1 − σ(2y)) · 2 √(2/π) (1 + 3 · 0.044715 g²). For 2y < -88 the
+// quotients are 0, the limits.
+struct GeluTanh {
+  static constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 √(2/π)
+  static constexpr float kCubic = 0.044715f;
+  struct At {
+    float value, sigmoid, g;
+  };
+  __device__ __forceinline__ static float sigmoid_2y(float g) {
+    const float two_y = kTwoSqrtTwoOverPi * fmaf(kCubic * g, g * g, g);
+    return __fdividef(1.0f, 1.0f + __expf(-two_y));
+  }
+  __device__ __forceinline__ static float value(float g) { return g * sigmoid_2y(g); }
+  __device__ __forceinline__ static At at(float g) {
+    const float sigmoid = sigmoid_2y(g);
+    return {g * sigmoid, sigmoid, g};
+  }
+  __device__ __forceinline__ static float chain(float x, const At& a) {
+    const float slope = kTwoSqrtTwoOverPi * fmaf(3.0f * kCubic * a.g, a.g, 1.0f);
+    return x * fmaf(a.g * a.sigmoid * (1.0f - a.sigmoid), slope, a.sigmoid);
+  }
+};
+
 // Calls f(Act{}) with the policy of `activation`, or reports an unknown one.
 template <class F>
 int with_activation(const std::string& fn, int activation, F&& f) {
   switch (activation) {
     case MEGAMOE_ACTIVATION_SWIGLU:
       return f(Silu{});
+    case MEGAMOE_ACTIVATION_GEGLU:
+      return f(GeluTanh{});
     default:
       return invalid_argument(fn + "unknown activation " + std::to_string(activation) +
                               " (megamoe.h lists the MEGAMOE_ACTIVATION_* values)");
