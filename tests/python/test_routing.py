@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe.routing import build_routing
+from megamoe.routing import PLAN_FIELDS, build_routing
 
 from conftest import requires_cuda
 
@@ -64,8 +64,9 @@ def test_cuda_plan_equals_host_plan(routing, tokens):
     ids[::7, 3] = -1
     host = build_routing(ids, 128)
     device = build_routing(ids.cuda(), 128)
-    for field in host.__dataclass_fields__:
+    for field in PLAN_FIELDS + ("buffer",):
         assert torch.equal(getattr(device, field).cpu(), getattr(host, field)), field
+    assert bytes(device.shape) == bytes(host.shape)
 
 
 @pytest.mark.parametrize("tokens, top_k, num_local", [(0, 1, 1), (1, 8, 128), (333, 4, 6), (16384, 8, 128)])
@@ -74,7 +75,7 @@ def test_plan_buffer_is_the_native_capacity_and_holds_every_field(tokens, top_k,
     import ctypes
 
     from megamoe import _native
-    from megamoe.routing import PLAN_FIELDS, plan_buffer_size, pool_capacity
+    from megamoe.routing import plan_buffer_size, pool_capacity
 
     shape = _native.RoutingShape(tokens, top_k, num_local, 0, num_local)
     assert pool_capacity(tokens * top_k, num_local) == _native.library().megamoe_routing_capacity(ctypes.byref(shape))
