@@ -48,9 +48,9 @@ int check_device(const std::string& fn, const char* name, int32_t device) {
 // Runs call() with `device` current, after checking that it exists.
 template <typename Call>
 int on_device(const std::string& fn, int32_t device, Call call) {
-  if (int s = check_device(fn, "device", device); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(check_device(fn, "device", device));
   DeviceScope scope;
-  if (int s = scope.enter(device); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(scope.enter(device));
   return call();
 }
 
@@ -60,7 +60,7 @@ int on_device(const std::string& fn, int32_t device, Call call) {
 extern "C" int megamoe_enable_peer_access(int32_t peer_device) {
   using namespace megamoe;
   const std::string fn = "megamoe_enable_peer_access: ";
-  if (int s = check_device(fn, "peer_device", peer_device); s != MEGAMOE_OK) return s;
+  MEGAMOE_RETURN_IF_ERROR(check_device(fn, "peer_device", peer_device));
   int device = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (peer_device == device) return MEGAMOE_OK;

@@ -27,15 +27,11 @@ inline int cuda_status(cudaError_t err, const char* what) {
 }  // namespace megamoe
 
 // Returns the status of `expr` from the enclosing function unless it is MEGAMOE_OK.
-#define MEGAMOE_RETURN_IF_ERROR(expr)                   \
-  do {                                                  \
-    const int megamoe_status_ = (expr);                 \
-    if (megamoe_status_ != MEGAMOE_OK) return megamoe_status_; \
+#define MEGAMOE_RETURN_IF_ERROR(expr)                            \
+  do {                                                           \
+    const int megamoe_status_ = (expr);                          \
+    if (megamoe_status_ != MEGAMOE_OK) return megamoe_status_;   \
   } while (0)
 
 // Returns from the enclosing C API function when a CUDA call fails.
-#define MEGAMOE_CUDA_RETURN_IF_ERROR(expr)                          \
-  do {                                                              \
-    int megamoe_status_ = ::megamoe::cuda_status((expr), #expr);   \
-    if (megamoe_status_ != MEGAMOE_OK) return megamoe_status_;      \
-  } while (0)
+#define MEGAMOE_CUDA_RETURN_IF_ERROR(expr) MEGAMOE_RETURN_IF_ERROR(::megamoe::cuda_status((expr), #expr))
