@@ -47,18 +47,28 @@ RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
     "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
     "num_invalid", "workspace")), ("shape", RoutingShape))
 DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),
-                       ("weights_pool", _ptr), ("hidden", _i32))
+                       ("weights_pool", _ptr), ("row_bytes", _i32))
 CombineArgs = _struct("megamoe_combine_args", ("routed", _ptr), ("topk_weights", _ptr), ("y", _ptr),
                       ("hidden", _i32))
 DispatchPeersArgs = _struct("megamoe_dispatch_peers_args", ("x_peers", _ptr), ("route_offsets", _ptr),
                             ("weights_peers", _ptr), ("pool", _ptr), ("weights_pool", _ptr), ("world", _i32),
-                            ("hidden", _i32))
+                            ("row_bytes", _i32))
 CombinePeersArgs = _struct("megamoe_combine_peers_args", ("out_peers", _ptr), ("route_to_slot_peers", _ptr),
                            ("topk_weights", _ptr), ("y", _ptr), ("route_offset", _i64), ("num_tokens", _i64),
                            ("top_k", _i32), ("world", _i32), ("hidden", _i32))
 GemmArgs = _struct("megamoe_gemm_args", ("a", _ptr), ("b", _ptr), ("c", _ptr), ("n", _i32), ("k", _i32))
 GemmFp8Args = _struct("megamoe_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("b", _ptr), ("b_scales", _ptr),
                       ("c", _ptr), ("n", _i32), ("k", _i32))
+GatedGemmFp8Args = _struct("megamoe_gated_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("w13", _ptr),
+                           ("w13_scales", _ptr), ("h", _ptr), ("h_scales", _ptr), ("z", _ptr),
+                           ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+ScatterGemmFp8Args = _struct("megamoe_scatter_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("b", _ptr),
+                             ("b_scales", _ptr), ("out_rows", _ptr), ("row_of_slot", _ptr), ("num_out_rows", _i64),
+                             ("n", _i32), ("k", _i32))
+GatedBackwardFp8Args = _struct("megamoe_gated_backward_fp8_args", ("dy_pool", _ptr), ("dy_scales", _ptr),
+                               ("w2t", _ptr), ("w2t_scales", _ptr), ("z_pool", _ptr), ("p_pool", _ptr), ("dz", _ptr),
+                               ("hp", _ptr), ("dp_partial", _ptr), ("intermediate", _i32), ("hidden", _i32),
+                               ("activation", _i32))
 GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
                         ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),
@@ -72,7 +82,8 @@ WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool"
                          ("m", _i32), ("n", _i32), ("output", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
-           GemmFp8Args, GatedGemmArgs, ScatterGemmArgs, GatedBackwardArgs, DpReduceArgs, WeightGradArgs)
+           GemmFp8Args, GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs,
+           GatedBackwardFp8Args, DpReduceArgs, WeightGradArgs)
 
 
 def _p(struct: type[ctypes.Structure]):
@@ -106,8 +117,11 @@ SIGNATURES = {
     "megamoe_grouped_gemm_bf16": _plan_op(GemmArgs),
     "megamoe_grouped_gemm_fp8": _plan_op(GemmFp8Args),
     "megamoe_grouped_gemm_gated_bf16": _plan_op(GatedGemmArgs),
+    "megamoe_grouped_gemm_gated_fp8": _plan_op(GatedGemmFp8Args),
     "megamoe_grouped_gemm_scatter_bf16": _plan_op(ScatterGemmArgs),
+    "megamoe_grouped_gemm_scatter_fp8": _plan_op(ScatterGemmFp8Args),
     "megamoe_grouped_gemm_gated_backward_bf16": _plan_op(GatedBackwardArgs),
+    "megamoe_grouped_gemm_gated_backward_fp8": _plan_op(GatedBackwardFp8Args),
     "megamoe_dp_reduce": _plan_op(DpReduceArgs),
     "megamoe_grouped_weight_grad_bf16": _plan_op(WeightGradArgs),
 }

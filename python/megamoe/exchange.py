@@ -21,8 +21,8 @@ from .routing import RoutingPlan
 
 
 def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
-    """The plan's pool [pool rows, H] of rows [T, H]: each live pool row holds its route's token row;
-    padding rows are zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's
+    """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes):
+    each live pool row holds its route's token row; padding rows are zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's
     route weight, 0 on padding rows."""
     pool = rows.new_empty(plan.slot_to_route.numel(), rows.shape[1])
     weights_pool = None
@@ -30,7 +30,7 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
         weights = weights.to(torch.float32).contiguous()
         weights_pool = torch.empty(pool.shape[0], dtype=torch.float32, device=pool.device)
     args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _pointer(weights), _pointer(weights_pool),
-                                rows.shape[1])
+                                _row_bytes(rows))
     _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
     return pool if weights is None else (pool, weights_pool)
 
@@ -45,6 +45,10 @@ def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> t
                  _native.CombineArgs(routed.data_ptr(), weights.data_ptr(), y.data_ptr(), hidden),
                  _native.stream(routed.device))
     return y
+
+
+def _row_bytes(rows: torch.Tensor) -> int:
+    return rows.shape[1] * rows.element_size()
 
 
 def _pointer(t: torch.Tensor | None):
@@ -66,7 +70,7 @@ def pull_rows(plan: RoutingPlan, rows_table, route_offsets, like: torch.Tensor, 
     args = _native.DispatchPeersArgs(ctypes.cast(rows_table, ctypes.c_void_p), ctypes.cast(route_offsets,
                                      ctypes.c_void_p), None if weights_table is None else
                                      ctypes.cast(weights_table, ctypes.c_void_p), pool.data_ptr(),
-                                     _pointer(weights_pool), len(route_offsets) - 1, like.shape[1])
+                                     _pointer(weights_pool), len(route_offsets) - 1, _row_bytes(like))
     _native.call("megamoe_dispatch_peers_bf16", "expert-parallel dispatch", plan.native(), args,
                  _native.stream(like.device))
     return pool if weights_table is None else (pool, weights_pool)

@@ -98,7 +98,7 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   auto* d_weights = to_device(p.weights);
   auto* d_pool = to_device(std::vector<uint16_t>(capacity * hidden, kPoison));
   auto* d_weights_pool = to_device(std::vector<float>(capacity, -7.f));
-  const megamoe_dispatch_args dispatch{d_x, d_pool, d_weights, d_weights_pool, hidden};
+  const megamoe_dispatch_args dispatch{d_x, d_pool, d_weights, d_weights_pool, 2 * hidden};
   ASSERT_EQ(megamoe_dispatch_bf16(&plan, &dispatch, nullptr), MEGAMOE_OK) << megamoe_last_error();
   const auto pool = to_host(d_pool, capacity * hidden);
   const auto weights_pool = to_host(d_weights_pool, capacity);
@@ -153,10 +153,10 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
   const auto* fp = reinterpret_cast<const float*>(check_buf);
   const char* dispatch_null = "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null";
   expect_rejections<Dispatch>(
-      megamoe_dispatch_bf16, unread_plan({1, 1, 1, 0, 1}), Dispatch{p, p, nullptr, nullptr, 64},
+      megamoe_dispatch_bf16, unread_plan({1, 1, 1, 0, 1}), Dispatch{p, p, nullptr, nullptr, 128},
       {
-          {[](auto&, auto& a) { a.hidden = 4104; }, "at most 4096"},
-          {[](auto&, auto& a) { a.hidden = 60; }, "hidden size 60 must be a positive multiple of 8"},
+          {[](auto&, auto& a) { a.row_bytes = 8208; }, "at most 8192"},
+          {[](auto&, auto& a) { a.row_bytes = 120; }, "row_bytes 120 must be a positive multiple of 16"},
           {[](auto&, auto& a) { a.x = check_buf + 2; }, "x and pool must be 16-byte aligned"},
           {[=](auto&, auto& a) { a.weights = fp; }, "weights and weights_pool go together"},
           {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
@@ -197,7 +197,7 @@ TEST(PeersValidation, RejectsBadArguments) {
   const char* dispatch_null =
       "x_peers, route_offsets, pool and the plan's slot_to_route and num_blocks must be non-null";
   expect_rejections<Dispatch>(
-      megamoe_dispatch_peers_bf16, plan, Dispatch{x, offsets, nullptr, check_buf, nullptr, 2, 64},
+      megamoe_dispatch_peers_bf16, plan, Dispatch{x, offsets, nullptr, check_buf, nullptr, 2, 128},
       {
           {[](auto&, auto& a) { a.world = 0; }, "world must be in"},
           {[](auto&, auto& a) { a.world = MEGAMOE_MAX_PEERS + 1; }, "world must be in"},
@@ -206,7 +206,7 @@ TEST(PeersValidation, RejectsBadArguments) {
           {[&](auto&, auto& a) { a.route_offsets = shifted; }, "route_offsets[0] must be 0"},
           {[](auto& pl, auto&) { pl.shape.num_tokens = 2; }, "route_offsets[world] must be the plan's T * K"},
           {[&](auto&, auto& a) { a.x_peers = missing; }, "x_peers[1] must be 16-byte aligned and non-null"},
-          {[](auto&, auto& a) { a.hidden = 60; }, "multiple of 8"},
+          {[](auto&, auto& a) { a.row_bytes = 120; }, "multiple of 16"},
           {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
           {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, dispatch_null},
           {[&](auto&, auto& a) { a.weights_peers = weights_peers; }, "go together"},
@@ -223,14 +223,14 @@ TEST(PeersValidation, RejectsBadArguments) {
   {
     const int64_t empty_rank1[3] = {0, 8, 8};
     megamoe_routing_plan tokenless = unread_plan({2, 4, 2, 0, 2});
-    Dispatch args{missing, empty_rank1, nullptr, check_buf, nullptr, 2, 64};
+    Dispatch args{missing, empty_rank1, nullptr, check_buf, nullptr, 2, 128};
     if (cuda_devices() == 0) {
       EXPECT_EQ(megamoe_dispatch_peers_bf16(&tokenless, &args, nullptr), MEGAMOE_ERROR_CUDA) << megamoe_last_error();
     } else {
       const int64_t rows = megamoe_routing_capacity(&tokenless.shape);
       tokenless.slot_to_route = to_device(std::vector<int32_t>(rows, -1));
       tokenless.num_blocks = to_device(std::vector<int32_t>{0});
-      args.pool = to_device(std::vector<uint16_t>(rows * args.hidden, kPoison));
+      args.pool = to_device(std::vector<uint16_t>(rows * args.row_bytes / 2, kPoison));
       EXPECT_EQ(megamoe_dispatch_peers_bf16(&tokenless, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       for (void* ptr : std::initializer_list<void*>{tokenless.slot_to_route, tokenless.num_blocks, args.pool}) {

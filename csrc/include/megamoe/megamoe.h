@@ -65,7 +65,8 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_pl
 // ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch and combine on one rank (bf16 rows, hidden size a multiple of 8).
+// Dispatch and combine on one rank. Dispatch copies rows of any element type (row_bytes a multiple
+// of 16: bf16 activations, e4m3 activations, their fp32 scales); combine sums bf16 rows.
 // dispatch: pool[route_to_slot[t, k]] = x[t] for every route with a slot; the padding rows of the
 //           live blocks (r < 128 * *num_blocks, slot_to_route[r] < 0) are zeroed, rows past the
 //           live blocks are not touched. Walks tokens, so each row of x is read once. With weights,
@@ -74,11 +75,11 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_pl
 //           in ascending k, fp32, rounded once (deterministic).
 // ---------------------------------------------------------------------------------------------
 typedef struct {
-  const void* x;         // [T, hidden] bf16
-  void* pool;            // [max_blocks * 128, hidden] bf16
+  const void* x;         // [T, row_bytes]
+  void* pool;            // [max_blocks * 128, row_bytes]
   const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;   // [max_blocks * 128] fp32, or null
-  int32_t hidden;        // a multiple of 8, at most 4096
+  int32_t row_bytes;     // a multiple of 16, at most 8192 (bf16: 2 * hidden)
 } megamoe_dispatch_args;
 
 typedef struct {
@@ -111,13 +112,13 @@ int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine
 #define MEGAMOE_MAX_PEERS 8
 
 typedef struct {
-  const void* const* x_peers;          // [W] -> [T_r, hidden] bf16
+  const void* const* x_peers;          // [W] -> [T_r, row_bytes]
   const int64_t* route_offsets;        // [W + 1], host
   const float* const* weights_peers;   // [W] -> [T_r, K] fp32, or null (then weights_pool is null too)
-  void* pool;                          // [max_blocks * 128, hidden] bf16
+  void* pool;                          // [max_blocks * 128, row_bytes]
   float* weights_pool;                 // [max_blocks * 128] fp32, or null
   int32_t world;
-  int32_t hidden;                      // a multiple of 8
+  int32_t row_bytes;                   // a multiple of 16 (bf16: 2 * hidden)
 } megamoe_dispatch_peers_args;
 
 typedef struct {
@@ -237,6 +238,28 @@ typedef struct {
 int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan, const megamoe_gated_gemm_args* args,
                                     void* stream);
 
+// The same in block FP8, with h quantised in the epilogue: A [max_blocks * 128, hidden] e4m3 with
+// a_scales [hidden / 128, max_blocks * 128]; w13 [E_local, 2I, hidden] e4m3 with w13_scales
+// [E_local, 2I / 128, hidden / 128] (megamoe_grouped_gemm_fp8's recipe). h = act(g) ⊙ u in fp32 is
+// stored as e4m3 h [max_blocks * 128, I] with one scale per row and 128 columns, h_scales
+// [I / 128, max_blocks * 128] fp32 (= amax / 448 of the 128 values, 1 for an all-zero block; the
+// layout GEMM2 reads as its A scales); z, if given, as in the bf16 version.
+typedef struct {
+  const void* a;
+  const float* a_scales;
+  const void* w13;
+  const float* w13_scales;
+  void* h;
+  float* h_scales;
+  void* z;  // may be null
+  int32_t intermediate;
+  int32_t hidden;
+  int32_t activation;  // MEGAMOE_ACTIVATION_*
+} megamoe_gated_gemm_fp8_args;
+
+int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, const megamoe_gated_gemm_fp8_args* args,
+                                   void* stream);
+
 // ---------------------------------------------------------------------------------------------
 // A grouped GEMM whose rows are scattered: for every block b < *num_blocks with local expert
 // e = block_expert[b], each pool row r of it:
@@ -264,6 +287,24 @@ typedef struct {
 
 int megamoe_grouped_gemm_scatter_bf16(const megamoe_routing_plan* plan, const megamoe_scatter_gemm_args* args,
                                       void* stream);
+
+// The same in block FP8, B stored [E_local, N, K] (FP8 tensor cores read both operands K-major: the
+// backward's dx reads a transposed copy of w13): A [max_blocks * 128, K] e4m3 with a_scales
+// [K / 128, max_blocks * 128]; b [E_local, N, K] e4m3 with b_scales [E_local, N / 128, K / 128].
+typedef struct {
+  const void* a;
+  const float* a_scales;
+  const void* b;
+  const float* b_scales;
+  void* out_rows;
+  const int32_t* row_of_slot;  // may be null: the plan's slot_to_route
+  int64_t num_out_rows;
+  int32_t n;
+  int32_t k;
+} megamoe_scatter_gemm_fp8_args;
+
+int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan, const megamoe_scatter_gemm_fp8_args* args,
+                                     void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Backward of the expert MLP, step 1: dh = dy_pool · w2[e] with the gated activation's backward in
@@ -297,6 +338,28 @@ typedef struct {
 
 int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
                                              const megamoe_gated_backward_args* args, void* stream);
+
+// The same with dh in block FP8: dy_pool [max_blocks * 128, hidden] e4m3 with dy_scales
+// [hidden / 128, max_blocks * 128]; w2t [E_local, intermediate, hidden] e4m3, w2 transposed (FP8 tensor
+// cores read both operands K-major), with w2t_scales [E_local, intermediate / 128, hidden / 128]. The
+// epilogue and every other argument as in the bf16 version.
+typedef struct {
+  const void* dy_pool;
+  const float* dy_scales;
+  const void* w2t;
+  const float* w2t_scales;
+  const void* z_pool;
+  const float* p_pool;
+  void* dz;
+  void* hp;
+  float* dp_partial;
+  int32_t intermediate;
+  int32_t hidden;
+  int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward
+} megamoe_gated_backward_fp8_args;
+
+int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_plan* plan,
+                                            const megamoe_gated_backward_fp8_args* args, void* stream);
 
 // dp[route] = Σ_t dp_partial[route_to_slot[route], t] for the plan's T * K routes, t ascending over
 // MEGAMOE_DP_PARTIAL_COLS(intermediate) columns, fp32 (deterministic). Routes with slot -1 or a slot

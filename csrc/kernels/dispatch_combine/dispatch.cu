@@ -11,7 +11,7 @@
 
 namespace megamoe {
 namespace {
-constexpr int kMaxVecsPerLane = 16;  // H up to 32 lanes * 16 * 8 = 4096 bf16 kept in registers
+constexpr int kMaxVecsPerLane = 16;  // rows up to 32 lanes * 16 * 16 bytes = 8 KB kept in registers
 
 template <int kVecsPerLane>
 __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
@@ -99,9 +99,11 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dispatch_args& a = *args;
-  if (a.hidden <= 0 || a.hidden % kBf16PerVec || a.hidden > 32 * kMaxVecsPerLane * kBf16PerVec) {
-    return invalid_argument(fn + "hidden size " + std::to_string(a.hidden) +
-                            " must be a positive multiple of 8 and at most 4096");
+  constexpr int kVecBytes = int(sizeof(Bf16x8));
+  if (a.row_bytes <= 0 || a.row_bytes % kVecBytes || a.row_bytes > 32 * kMaxVecsPerLane * kVecBytes) {
+    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a positive multiple of 16 "
+                            "and at most " + std::to_string(32 * kMaxVecsPerLane * kVecBytes) +
+                            " (bf16 rows: a hidden size that is a multiple of 8, at most 4096)");
   }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
@@ -116,7 +118,7 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
   const DispatchArgs launch_args{static_cast<const Bf16x8*>(a.x), static_cast<Bf16x8*>(a.pool), plan->route_to_slot,
                                  plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, num_tokens,
-                                 max_rows, plan->shape.top_k, a.hidden / kBf16PerVec};
+                                 max_rows, plan->shape.top_k, a.row_bytes / kVecBytes};
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int vecs_per_lane = (launch_args.vecs_per_row + 31) / 32;
   if (vecs_per_lane <= 4) {

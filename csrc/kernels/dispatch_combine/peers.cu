@@ -72,15 +72,12 @@ combine_peer_rows(const __grid_constant__ CombinePeers peers, const float* __res
   combine_tokens(route_row, topk_weights, y, num_tokens, top_k, vecs_per_row);
 }
 
-int check_world(const std::string& fn, int32_t world, int32_t top_k, int32_t hidden) {
+int check_world(const std::string& fn, int32_t world, int32_t top_k) {
   if (world < 1 || world > MEGAMOE_MAX_PEERS) {
     return invalid_argument(fn + "world must be in [1, " + std::to_string(MEGAMOE_MAX_PEERS) + "], got " +
                             std::to_string(world));
   }
   if (top_k < 1) return invalid_argument(fn + "top_k must be >= 1, got " + std::to_string(top_k));
-  if (hidden <= 0 || hidden % kBf16PerVec) {
-    return invalid_argument(fn + "hidden size " + std::to_string(hidden) + " must be a positive multiple of 8");
-  }
   return MEGAMOE_OK;
 }
 
@@ -95,7 +92,11 @@ extern "C" int megamoe_dispatch_peers_bf16(const megamoe_routing_plan* plan, con
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dispatch_peers_args& a = *args;
   const int32_t top_k = plan->shape.top_k;
-  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, top_k, a.hidden));
+  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, top_k));
+  if (a.row_bytes <= 0 || a.row_bytes % int(sizeof(Bf16x8))) {
+    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) +
+                            " must be a positive multiple of 16 (bf16 rows: 2 * hidden)");
+  }
   if (a.x_peers == nullptr || a.route_offsets == nullptr || a.pool == nullptr || plan->slot_to_route == nullptr ||
       plan->num_blocks == nullptr) {
     return invalid_argument(fn + "x_peers, route_offsets, pool and the plan's slot_to_route and num_blocks must be "
@@ -138,7 +139,7 @@ extern "C" int megamoe_dispatch_peers_bf16(const megamoe_routing_plan* plan, con
   MEGAMOE_RETURN_IF_ERROR(warp_grid(max_rows, &grid));
   dispatch_peer_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       peers, static_cast<Bf16x8*>(a.pool), a.weights_pool, plan->slot_to_route, plan->num_blocks, max_rows, top_k,
-      a.hidden / kBf16PerVec);
+      a.row_bytes / int(sizeof(Bf16x8)));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
@@ -148,7 +149,10 @@ extern "C" int megamoe_combine_peers_bf16(const megamoe_combine_peers_args* args
   const std::string fn = "megamoe_combine_peers_bf16: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_combine_peers_args& a = *args;
-  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, a.top_k, a.hidden));
+  MEGAMOE_RETURN_IF_ERROR(check_world(fn, a.world, a.top_k));
+  if (a.hidden <= 0 || a.hidden % kBf16PerVec) {
+    return invalid_argument(fn + "hidden size " + std::to_string(a.hidden) + " must be a positive multiple of 8");
+  }
   if (a.num_tokens < 0 || a.route_offset < 0) return invalid_argument(fn + "num_tokens and route_offset must be >= 0");
   if (a.num_tokens == 0) return MEGAMOE_OK;
   if (a.out_peers == nullptr || a.route_to_slot_peers == nullptr || a.topk_weights == nullptr || a.y == nullptr) {

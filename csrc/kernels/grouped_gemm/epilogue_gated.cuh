@@ -19,27 +19,64 @@
 
 namespace megamoe::grouped_gemm {
 
-// The problem's N is I (columns of h), its K the hidden size.
-template <class Act, bool KeepZ>
-struct GatedEpilogue {
-  using Cfg = Config<256, 2>;
+// What the gated epilogues (bf16 h here, e4m3 h in epilogue_gated_fp8.cuh) share: the tile's
+// shape, where w13's two halves are, z (KeepZ) and h in fp32. The problem's N is I (columns of h),
+// its K the hidden size.
+template <class Act, bool KeepZ, class C>
+struct GatedTile {
+  using Cfg = C;
   static constexpr int kHCols = Cfg::kBlockN / 2;  // h columns per tile
   static constexpr int kTileN = kHCols;
   static constexpr int kHalf = Cfg::kAccumulators / 2;
+  static constexpr bool kKeepZ = KeepZ;
+
+  // Box 0 of a stage's B tile = gate rows [128 t, +128), box 1 = up rows [I + 128 t, +128) of the
+  // expert's 2I rows of w13.
+  static BRows b_rows(const PoolProblem& p) { return {2 * p.n, p.n}; }
+
+  // z [pool rows, 2I] bf16, 16-row x 64-column boxes (tma_store_chunks).
+  static int z_params(const PoolProblem& p, void* z, CUtensorMap* map) {
+    if (!KeepZ) return MEGAMOE_OK;
+    return make_tensor_map(map, z, p.rows, 2 * uint64_t(p.n), kWarpRows, p.fn, "z");
+  }
+
+  // z's gate and up halves of the tile, rounded to bf16 (KeepZ): stored right after the main loop,
+  // since their 64 packed registers would not fit beside the next tile's accumulators.
+  __device__ static void store_z(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* z, int intermediate,
+                                 const SharedStorage<Cfg>& smem, int warpgroup, int row0, int n_tile) {
+    if constexpr (KeepZ) {
+      using Half = const float(&)[kHalf];
+      uint32_t packed[kHalf / 2];
+      pack_fragment(reinterpret_cast<Half>(acc[0]), packed);
+      tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, n_tile * kHCols);
+      pack_fragment(reinterpret_cast<Half>(acc[kHalf]), packed);
+      tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, intermediate + n_tile * kHCols);
+    }
+  }
+
+  // h = act(g) · u in fp32, an m64n128 fragment of the tile's 128 h columns.
+  __device__ static void activate(const float (&acc)[Cfg::kAccumulators], float (&h)[kHalf]) {
+#pragma unroll
+    for (int x = 0; x < kHalf; ++x) h[x] = Act::value(acc[x]) * acc[x + kHalf];
+  }
+};
+
+template <class Act, bool KeepZ>
+struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
+  using Tile = GatedTile<Act, KeepZ, Config<256, 2>>;
+  using typename Tile::Cfg;
+  using Tile::kHalf;
+  using Tile::kHCols;
   struct Arguments {
     void* h;  // [pool rows, I] bf16
     void* z;  // [pool rows, 2I] bf16 (KeepZ only)
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
-    CUtensorMap z;  // [max_blocks * 128, 2I], 16-row x 64-column boxes (KeepZ only)
+    CUtensorMap z;  // [max_blocks * 128, 2I] (KeepZ only)
     int intermediate;
   };
   struct Rows {};
-
-  // Box 0 of a stage's B tile = gate rows [128 t, +128), box 1 = up rows [I + 128 t, +128) of the
-  // expert's 2I rows of w13.
-  static BRows b_rows(const PoolProblem& p) { return {2 * p.n, p.n}; }
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     if (KeepZ) return check_pointers(p.fn, {{args.h, "h"}, {args.z, "z"}});
@@ -49,8 +86,7 @@ struct GatedEpilogue {
     *params = Params{};
     params->intermediate = p.n;
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
-    if (!KeepZ) return MEGAMOE_OK;
-    return make_tensor_map(&params->z, args.z, p.rows, 2 * uint64_t(p.n), kWarpRows, p.fn, "z");
+    return Tile::z_params(p, args.z, &params->z);
   }
 
   __device__ static void prefetch(const Params& p) {
@@ -59,9 +95,8 @@ struct GatedEpilogue {
   }
   __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
 
-  // Deferred (kernel.cuh): z (KeepZ) is stored right after the main loop, since its 64 packed
-  // registers would not fit beside the next tile's accumulators; h waits packed and is stored
-  // under the next tile's first wgmma batch.
+  // Deferred (kernel.cuh): z (KeepZ) is stored right after the main loop; h waits packed and is
+  // stored under the next tile's first wgmma batch.
   static constexpr bool kDeferred = true;
   struct Pending {
     uint32_t h[kHalf / 2];
@@ -71,17 +106,9 @@ struct GatedEpilogue {
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
                                    const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    if constexpr (KeepZ) {
-      using Half = const float(&)[kHalf];
-      uint32_t z[kHalf / 2];
-      pack_fragment(reinterpret_cast<Half>(acc[0]), z);
-      tma_store_chunks<kHCols / kEpiCols>(z, &p.z, smem, warpgroup, row0, t.n_tile * kHCols);
-      pack_fragment(reinterpret_cast<Half>(acc[kHalf]), z);
-      tma_store_chunks<kHCols / kEpiCols>(z, &p.z, smem, warpgroup, row0, p.intermediate + t.n_tile * kHCols);
-    }
+    Tile::store_z(acc, &p.z, p.intermediate, smem, warpgroup, row0, t.n_tile);
     float h[kHalf];
-#pragma unroll
-    for (int x = 0; x < kHalf; ++x) h[x] = Act::value(acc[x]) * acc[x + kHalf];
+    Tile::activate(acc, h);
     Pending pending;
     pack_fragment(h, pending.h);
     pending.row0 = row0;

@@ -41,10 +41,13 @@ struct GatedBackwardParams {
   int intermediate;
 };
 
-// The problem's N is I (columns of dh), its K the hidden size.
-template <class Act, int BlockN>
+// The problem's N is I (columns of dh), its K the hidden size. C: the main loop's config, BF16
+// reading w2 as it is (MN-major B), or block FP8 reading a transposed copy (K-major B,
+// config_fp8.cuh); its stages hold the z chunks either way.
+template <class Act, int BlockN, class C = Config<BlockN, 1, Major::K, Major::MN>>
 struct GatedBackwardEpilogue {
-  using Cfg = Config<BlockN, 1, Major::K, Major::MN>;
+  using Cfg = C;
+  static_assert(Cfg::kBlockN == BlockN, "the config's tile width");
   static constexpr int kChunks = BlockN / kEpiCols;
   static constexpr int kRingChunks = kChunks;                // one ring stage of z per chunk
   static constexpr int kZBoxBytes = kBlockM * kEpiCols * 2;  // g or u of one chunk: 16 KB

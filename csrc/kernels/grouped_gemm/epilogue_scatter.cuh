@@ -31,21 +31,25 @@ __device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
   return v;
 }
 
-// BMajor: MN-major B for the backward's dx = dz · w13[e] (w13[e] read as [K = 2I, N = H]).
-template <int BlockN, Major BMajor = Major::K>
+struct ScatterArguments {
+  void* out_rows;               // [num_out_rows, N] bf16
+  const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none
+  int64_t num_out_rows;
+};
+
+// BMajor: MN-major B for the backward's dx = dz · w13[e] (w13[e] read as [K = 2I, N = H]). C: the
+// main loop's config, BF16 (config.cuh) or block FP8 (config_fp8.cuh, K-major B only).
+template <int BlockN, Major BMajor = Major::K, class C = Config<BlockN, 1, Major::K, BMajor>>
 struct ScatterEpilogue {
-  using Cfg = Config<BlockN, 1, Major::K, BMajor>;
+  using Cfg = C;
+  static_assert(Cfg::kBMajor == BMajor && Cfg::kBlockN == BlockN, "the config's B layout and tile width");
   static constexpr int kChunks = BlockN / kEpiCols;
   static constexpr int kPieces = kEpiCols * 2 / 16;         // 16-byte pieces per chunk row: 8
   static constexpr int kRowsPerPass = 32 / kPieces;         // 4 per warp
   static constexpr int kPasses = kWarpRows / kRowsPerPass;  // 4
   static_assert(kChunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   static constexpr int kTileN = BlockN;
-  struct Arguments {
-    void* out_rows;               // [num_out_rows, N] bf16
-    const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none
-    int64_t num_out_rows;
-  };
+  using Arguments = ScatterArguments;
   struct Params {
     __nv_bfloat16* out;            // [num_out_rows, ld]
     const int32_t* slot_to_route;  // [max_blocks * 128]

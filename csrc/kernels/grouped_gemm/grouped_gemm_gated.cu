@@ -1,7 +1,9 @@
-// megamoe_grouped_gemm_gated_bf16: GEMM1 of the expert MLP with the gated activation in the
-// epilogue (kernel.cuh with epilogue_gated.cuh; each stage's B tile = 128 gate rows + the 128
-// matching up rows), optionally also storing z = gate | up for the backward.
+// megamoe_grouped_gemm_gated_bf16 / _fp8: GEMM1 of the expert MLP with the gated activation in the
+// epilogue (kernel.cuh with epilogue_gated.cuh, or epilogue_gated_fp8.cuh quantising h; each stage's
+// B tile = 128 gate rows + the 128 matching up rows), optionally also storing z = gate | up for the
+// backward.
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
+#include "kernels/grouped_gemm/epilogue_gated_fp8.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
 
 using namespace megamoe;
@@ -27,5 +29,23 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
     using Act = decltype(act);
     return args->z == nullptr ? run_gated<GatedEpilogue<Act, false>>(p, *args, stream)
                               : run_gated<GatedEpilogue<Act, true>>(p, *args, stream);
+  });
+}
+
+extern "C" int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, const megamoe_gated_gemm_fp8_args* args,
+                                              void* stream) {
+  const std::string fn = "megamoe_grouped_gemm_gated_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  PoolProblem p;
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  const Fp8Scales scales{args->a_scales, args->w13_scales};
+  return with_activation(fn, args->activation, [&](auto act) {
+    using Act = decltype(act);
+    const auto run = [&](auto epilogue) {
+      using Epi = decltype(epilogue);
+      const PoolOperands operands{args->a, "a", args->w13, "w13", Epi::b_rows(p)};
+      return run_pool_gemm_fp8<Epi>(p, operands, {args->h, args->h_scales, args->z}, scales, stream);
+    };
+    return args->z == nullptr ? run(GatedFp8Epilogue<Act, false>{}) : run(GatedFp8Epilogue<Act, true>{});
   });
 }

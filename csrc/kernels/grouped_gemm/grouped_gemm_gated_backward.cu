@@ -1,6 +1,8 @@
-// megamoe_grouped_gemm_gated_backward_bf16: dh = dy_pool · w2[e] with the gated activation's
+// megamoe_grouped_gemm_gated_backward_bf16 / _fp8: dh = dy_pool · w2[e] with the gated activation's
 // backward, the p-weighting and the dp partial sums in the epilogue (kernel.cuh with
-// epilogue_gated_backward.cuh; w2 [E, H, I] is read as it is: B[e] = [K = H, N = I], MN-major).
+// epilogue_gated_backward.cuh). BF16 reads w2 [E, H, I] as it is: B[e] = [K = H, N = I], MN-major;
+// block FP8 reads its transposed copy [E, I, H] (K-major).
+#include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_backward.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
 
@@ -27,5 +29,25 @@ extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_pl
     using Act = decltype(act);
     return wide_tiles(p.n) ? run_gated_backward<GatedBackwardEpilogue<Act, 256>>(p, *args, stream)
                            : run_gated_backward<GatedBackwardEpilogue<Act, 128>>(p, *args, stream);
+  });
+}
+
+extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_plan* plan,
+                                                       const megamoe_gated_backward_fp8_args* args, void* stream) {
+  const std::string fn = "megamoe_grouped_gemm_gated_backward_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  PoolProblem p;
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  const PoolOperands operands{args->dy_pool, "dy_pool", args->w2t, "w2t", BRows{p.n, 0}};
+  const Fp8Scales scales{args->dy_scales, args->w2t_scales};
+  return with_activation(fn, args->activation, [&](auto act) {
+    using Act = decltype(act);
+    const auto run = [&](auto epilogue) {
+      using Epi = decltype(epilogue);
+      return run_pool_gemm_fp8<Epi>(p, operands, {args->z_pool, args->p_pool, args->dz, args->hp, args->dp_partial},
+                                    scales, stream);
+    };
+    return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>>{})
+                           : run(GatedBackwardEpilogue<Act, 128, Fp8Config<128>>{});
   });
 }

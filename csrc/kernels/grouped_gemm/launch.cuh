@@ -94,4 +94,14 @@ int run_pool_gemm(const PoolProblem& p, const PoolOperands& operands, const type
   return launch<Epi, PoolScheduler>(map_a, map_b, epi, sched, stream, mainloop);
 }
 
+// The same with block-FP8 operands: the main loop also takes their scales (config_fp8.cuh).
+template <class Epi>
+int run_pool_gemm_fp8(const PoolProblem& p, const PoolOperands& operands, const typename Epi::Arguments& args,
+                      const typename Epi::Cfg::MainloopArguments& scales, void* stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_pool_gemm<Epi>(p, operands, args));  // before the scales' map (CUDA)
+  typename Epi::Cfg::MainloopParams mainloop;
+  MEGAMOE_RETURN_IF_ERROR(Epi::Cfg::to_params(p, scales, operands.b_rows, &mainloop));
+  return run_pool_gemm<Epi>(p, operands, args, stream, mainloop);
+}
+
 }  // namespace megamoe::grouped_gemm

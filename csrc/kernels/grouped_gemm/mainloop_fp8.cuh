@@ -110,7 +110,7 @@ __device__ void mma_tile_fp8_alternating(float (&acc)[Cfg::kAccumulators], const
 template <class Cfg, class Smem, class UnderFirstBatch>
 __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                                     PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
-                                    const float* b_scales, UnderFirstBatch&& under_first_batch) {
+                                    const float* b_scales, int second_half, UnderFirstBatch&& under_first_batch) {
   constexpr int N = Cfg::kAccumulators / 2;
   constexpr uint32_t kHalfBBytes = 128 * kFp8BlockK;
   const bool signals = threadIdx.x % 32 == 0;
@@ -120,7 +120,7 @@ __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem
   // The first k-block sets the sum instead of adding to it, so the sum's registers are not live
   // while the previous tile's deferred store (under_first_batch) still holds its packed values.
   const auto k_block = [&](int kb, auto first) {
-    const float b_scale[2] = {__ldg(b_scales + kb), __ldg(b_scales + k_blocks + kb)};
+    const float b_scale[2] = {__ldg(b_scales + kb), __ldg(b_scales + second_half + kb)};
     Barrier::wait(smem.full(state.stage), state.phase);
     const float* a_scales = smem.a_scales(state.stage);
     const float a_lo = a_scales[row], a_hi = a_scales[row + 8];
@@ -145,15 +145,17 @@ __device__ void mma_tile_fp8_halves(float (&acc)[Cfg::kAccumulators], const Smem
   for (int kb = 1; kb < k_blocks; ++kb) k_block(kb, std::false_type{});
 }
 
-// b_scales: this tile's first 128-column block's scales, one per k-block; the next block's follow.
+// b_scales: this tile's first 128-column block's scales, one per k-block; second_half: how far
+// on those of its second 128-column half start (BLOCK_N 256).
 template <class Cfg, class Smem, class UnderFirstBatch>
 __device__ __forceinline__ void mma_tile_fp8(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                                              PipelineState<Cfg::kStages>& state, int k_blocks, int warpgroup,
-                                             const float* b_scales, UnderFirstBatch&& under_first_batch) {
+                                             const float* b_scales, int second_half,
+                                             UnderFirstBatch&& under_first_batch) {
   if constexpr (Cfg::kBlockN == 128) {
     mma_tile_fp8_alternating<Cfg>(acc, smem, state, k_blocks, warpgroup, b_scales, under_first_batch);
   } else {
-    mma_tile_fp8_halves<Cfg>(acc, smem, state, k_blocks, warpgroup, b_scales, under_first_batch);
+    mma_tile_fp8_halves<Cfg>(acc, smem, state, k_blocks, warpgroup, b_scales, second_half, under_first_batch);
   }
 }
 
