@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from . import _native
+from . import _native, fp8
 from .routing import RoutingPlan
 
 
@@ -33,6 +33,17 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
                                 _row_bytes(rows))
     _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
     return pool if weights is None else (pool, weights_pool)
+
+
+def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched: (e4m3 pool
+    [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read); padding rows are 0."""
+    q, scales = fp8.quantize_rows(rows)  # scales [H / 128, T]
+    blocks = scales.shape[0]
+    # A token's scales travel as a row of their own, padded to 16 bytes.
+    token_scales = scales.new_zeros(rows.shape[0], -(-blocks // 4) * 4)
+    token_scales[:, :blocks] = scales.t()
+    return dispatch(plan, q), dispatch(plan, token_scales)[:, :blocks].t().contiguous()
 
 
 def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ from .activation import check_activation
 from .backends import grouped_moe, naive_moe
 from .expert_parallel_group import group_moe
 from .fused import fused_moe_autograd
-from .validation import BACKENDS, check_fused_support, check_moe_inputs, check_precision, check_recompute
+from .validation import (BACKENDS, check_backend_precision, check_fused_support, check_moe_inputs, check_precision,
+                         check_recompute)
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
@@ -17,6 +18,10 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     topk_weights, w13 and w2. See docs/DESIGN.md for the math and the weight layouts.
 
     activation: the experts' h = act(gate) · up, one of megamoe.activation.ACTIVATIONS.
+
+    precision (fused only for all but "bf16"): "fp8" runs forward and backward in block FP8 (the
+    DeepSeek-V3 recipe: 1 x 128 activation and 128 x 128 weight scales, docs/DESIGN.md), "fp8_bwd"
+    the bf16 forward with the FP8 backward; "mxfp8" needs Blackwell and raises here.
 
     recompute (fused only): keep nothing but the inputs for the backward, and gather x and
     recompute z = x·w13ᵀ there, instead of keeping the pool of x and z from the forward
@@ -29,10 +34,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     # The fused op checks the ids' range on the GPU (validation.IdRangeCheck), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
                                check_id_range=not (backend == "fused" and getattr(topk_ids, "is_cuda", False)))
-    if precision != "bf16":
-        raise NotImplementedError(
-            f"precision={precision!r} is planned (block FP8 in the fused kernels); every backend "
-            "runs precision='bf16' today")
+    check_backend_precision(backend, precision, group)
     if group is not None and (backend != "fused" or recompute):
         raise NotImplementedError(
             "expert parallelism over a process group runs backend='fused' with recompute=False; "
@@ -41,7 +43,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
         if group is not None:
             return group_moe(x, topk_ids, topk_weights, w13, w2, group, activation)
-        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation)
+        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation, precision)
     return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2, activation=activation)
 
 

@@ -12,119 +12,189 @@ them, or gather and recompute them (recompute=True: only the inputs and the plan
 price of a gather and a GEMM), then dh = dy·w2 with the activation's backward, p·h and dp partials
 in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and
 combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
+
+Block FP8 (DeepSeek-V3 recipe; precision "fp8": forward and backward, "fp8_bwd": the bf16 forward and
+the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and dispatched in e4m3 with
+their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come
+from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
+(dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dz is quantised per row for dx.
+The weight gradients stay bf16 GEMMs (on the dequantised x pool in "fp8"). Kept for the backward in
+"fp8": the e4m3 pool of x with its scales, z (bf16) and the plan.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _native
-from .exchange import combine, dispatch
+from . import _native, fp8
 from .activation import check_activation
-from .gemm import gated_backward, gated_gemm, grouped_gemm, grouped_gemm_scatter, reduce_dp, weight_grad
+from .exchange import combine, dispatch, dispatch_fp8
+from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
+                   grouped_gemm_scatter, grouped_gemm_scatter_fp8, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
-from .validation import IdRangeCheck, main_grad_of
+from .validation import IdRangeCheck, check_fused_precision, main_grad_of
 
 
 class _Pool:
-    """The routing plan and the expert-major pool of x: what forward and backward both start from."""
+    """The routing plan and the expert-major pool of x (bf16, or e4m3 with its scales in FP8): what
+    forward and backward both start from."""
 
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, x_pool: torch.Tensor | None = None,
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, fp8_x: bool,
+                 x_pool: torch.Tensor | None = None, x_scales: torch.Tensor | None = None,
                  plan_buffer: torch.Tensor | None = None, check_ids: bool = False):
-        """plan_buffer: the forward's plan (RoutingPlan.buffer), or None to build it."""
+        """plan_buffer: the forward's plan (RoutingPlan.buffer), or None to build it; x_pool (and in FP8
+        x_scales): the forward's pool, or None to dispatch x again."""
         self.num_tokens, self.top_k = topk_ids.shape
         self.plan = (build_routing(topk_ids.to(torch.int32).contiguous(), num_local) if plan_buffer is None
                      else RoutingPlan.from_buffer(plan_buffer, self.num_tokens, self.top_k, num_local))
         self.id_range = IdRangeCheck(self.plan, num_local) if check_ids else None
         self.rows = self.plan.block_expert.numel() * _native.BLOCK_M
-        self.x = dispatch(self.plan, x) if x_pool is None else x_pool
+        if x_pool is not None:
+            self.x, self.x_scales = x_pool, x_scales
+        elif fp8_x:
+            self.x, self.x_scales = dispatch_fp8(self.plan, x)
+        else:
+            self.x, self.x_scales = dispatch(self.plan, x), None
 
-    def scatter_combine(self, a: torch.Tensor, b: torch.Tensor, hidden: int, weights: torch.Tensor,
-                        b_is_k_by_n: bool = False) -> torch.Tensor:
-        """[T, H] = Σ_k weights[t, k] · (a · B[e])[slot of (t, k)]: a scatter-epilogue GEMM into
-        (token, k) rows (grouped_gemm_scatter), then the fixed-order combine."""
-        routed = a.new_empty(self.num_tokens * self.top_k, hidden)
-        grouped_gemm_scatter(a, b, self.plan, None, routed, b_is_k_by_n)
+    def x_bf16(self) -> torch.Tensor:
+        """The pool of x in bf16 (dequantised in FP8)."""
+        if self.x_scales is None:
+            return self.x
+        return fp8.dequantize_rows(self.x, self.x_scales).to(torch.bfloat16)
+
+    def z(self, w13: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I]: the gate | up pre-activations x·w13ᵀ, recomputed in the pool's precision."""
+        if self.x_scales is None:
+            return grouped_gemm(self.x, w13, self.plan)
+        w13_fp8 = fp8.quantized_weight(w13)
+        return grouped_gemm_fp8(self.x, self.x_scales, w13_fp8.q, w13_fp8.scales, self.plan)
+
+    def combine(self, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return combine(self.plan, routed, weights)
+
+    def routed(self, like: torch.Tensor, hidden: int) -> torch.Tensor:
+        """[T·K, H]: one row per (token, k) route, written by the scatter GEMMs."""
+        return like.new_empty(self.num_tokens * self.top_k, hidden)
+
+
+def _forward_experts(pool: _Pool, w13, w2, activation, z, fp8_forward: bool) -> torch.Tensor:
+    """[T·K, H]: each route's expert output (GEMM1 with the activation, then GEMM2 into the routes' rows)."""
+    hidden = w13.shape[2]
+    routed = pool.routed(torch.empty(0, dtype=torch.bfloat16, device=w13.device), hidden)
+    if fp8_forward:
+        w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
+        h, h_scales = gated_gemm_fp8(pool.x, pool.x_scales, w13_fp8.q, w13_fp8.scales, pool.plan, activation, z)
+        grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, pool.plan, routed)
+    else:
+        h = gated_gemm(pool.x, w13, pool.plan, activation, z)
+        grouped_gemm_scatter(h, w2, pool.plan, None, routed)
+    return routed
 
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, activation: str, keep: bool, keep_plan: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation).
-    With keep, the pool of x [pool rows, H] and GEMM1's gate | up output z [pool rows, 2I] for the
-    backward; otherwise both empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer),
-    so the backward does not build it again; otherwise empty."""
+                      w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, keep: bool,
+                      keep_plan: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x_pool, x_scales, z, plan) with the experts' h = act(gate) · up for `activation`
+    (megamoe.activation) in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep,
+    the pool of x [pool rows, H] (e4m3 in "fp8", with x_scales [H / 128, pool rows]; otherwise bf16
+    and x_scales empty) and GEMM1's gate | up output z [pool rows, 2I] bf16 for the backward;
+    otherwise all empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the
+    backward does not build it again; otherwise empty."""
     check_activation(activation)
-    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
+    check_fused_precision(precision)
+    x_pool, x_scales, z = x.new_empty(0), x.new_empty(0, dtype=torch.float32), x.new_empty(0)
+    plan = topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, z, plan
-    num_local, two_i, hidden = w13.shape
-    pool = _Pool(x, topk_ids, num_local, check_ids=True)
+        return torch.empty_like(x), x_pool, x_scales, z, plan
+    fp8_forward = precision == "fp8"
+    pool = _Pool(x, topk_ids, w13.shape[0], fp8_forward, check_ids=True)
     if keep:
-        x_pool, z = pool.x, x.new_empty(pool.rows, two_i)
+        x_pool, z = pool.x, x.new_empty(pool.rows, w13.shape[1])
+        if fp8_forward:
+            x_scales = pool.x_scales
     if keep_plan:
         plan = pool.plan.buffer
-    h = gated_gemm(pool.x, w13, pool.plan, activation, z if keep else None)
-    del pool.x
-    y = pool.scatter_combine(h, w2, hidden, topk_weights)
+    routed = _forward_experts(pool, w13, w2, activation, z if keep else None, fp8_forward)
+    del pool.x, pool.x_scales
+    y = pool.combine(routed, topk_weights)
     pool.id_range.raise_if_any()
-    return y, x_pool, z, plan
+    return y, x_pool, x_scales, z, plan
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, activation, keep, keep_plan):
+def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_plan):
     check_activation(activation)
-    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
+    check_fused_precision(precision)
+    x_pool, x_scales, z = x.new_empty(0), x.new_empty(0, dtype=torch.float32), x.new_empty(0)
+    plan = topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, z, plan
+        return torch.empty_like(x), x_pool, x_scales, z, plan
     if keep:
         rows = pool_capacity(topk_ids.numel(), w13.shape[0])
         x_pool, z = x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
+        if precision == "fp8":
+            x_pool = x.new_empty(rows, x.shape[1], dtype=torch.float8_e4m3fn)
+            x_scales = x.new_empty(x.shape[1] // fp8.BLOCK, rows, dtype=torch.float32)
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
                                   dtype=torch.int32)
-    return torch.empty_like(x), x_pool, z, plan
+    return torch.empty_like(x), x_pool, x_scales, z, plan
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
-                       x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
-                       need_dweights: bool, need_dw13: bool, need_dw2: bool,
+                       precision: str, x_pool: torch.Tensor, x_scales: torch.Tensor, z: torch.Tensor,
+                       plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
                        main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    activation: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to gather,
-    recompute and rebuild them.
+    activation, precision: the forward's. x_pool, x_scales, z, plan: what fused_moe_forward kept, or
+    empty to gather, recompute and rebuild them.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
     check_activation(activation)
+    check_fused_precision(precision)
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
                                            main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
-    num_local, _, hidden = w13.shape
-    pool = _Pool(x, topk_ids, num_local, x_pool if x_pool.numel() else None, plan if plan.numel() else None)
+    fp8_backward = precision in ("fp8", "fp8_bwd")
+    kept = x_pool.numel() > 0
+    pool = _Pool(x, topk_ids, w13.shape[0], precision == "fp8", x_pool if kept else None,
+                 x_scales if kept and precision == "fp8" else None, plan if plan.numel() else None)
     plan = pool.plan
-    dy_pool, p_pool = dispatch(plan, dy.contiguous(), topk_weights)
+    dy = dy.contiguous()
+    dy_pool, p_pool = dispatch(plan, dy, topk_weights)
     if z.numel() == 0:
-        z = grouped_gemm(pool.x, w13, plan)  # [rows, 2I]: gate | up pre-activations
-    dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+        z = pool.z(w13)
+    if fp8_backward:
+        dy_fp8, dy_scales = dispatch_fp8(plan, dy)
+        w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+        dz, hp, dp_partial = gated_backward_fp8(dy_fp8, dy_scales, w2t, w2t_scales, z, p_pool, plan, activation)
+        del dy_fp8, dy_scales
+    else:
+        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
     del z
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
     if need_dx:
-        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device)
-        dx = pool.scatter_combine(dz, w13, hidden, ones, b_is_k_by_n=True)
+        routed = pool.routed(dz, x.shape[1])
+        if fp8_backward:
+            dz_fp8, dz_scales = fp8.quantize_rows(dz)
+            w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
+            grouped_gemm_scatter_fp8(dz_fp8, dz_scales, w13t, w13t_scales, plan, routed)
+        else:
+            grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
+        dx = pool.combine(routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
     # Into the returned bf16 gradient, or added in fp32 to main_grad (the returned one is then empty).
-    for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, hp),
-                                       (need_dw13, dw13, main_grad13, dz, pool.x)):
+    for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, lambda: hp),
+                                       (need_dw13, dw13, main_grad13, dz, pool.x_bf16)):
         if need:
-            weight_grad(a, b, plan, out if main_grad is None else main_grad)
+            weight_grad(a, b(), plan, out if main_grad is None else main_grad)
     return dx, dweights, dw13, dw2
 
 
@@ -134,44 +204,45 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, activation, x_pool, z, plan, need_dx, need_dweights, need_dw13,
-      need_dw2, main_grad13, main_grad2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, x_scales, z, plan, need_dx,
+      need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
     check_activation(activation)
+    check_fused_precision(precision)
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
                         main_grad2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, activation, _, _ = inputs
-    _, x_pool, z, plan = output
-    ctx.activation = activation
-    ctx.mark_non_differentiable(x_pool, z, plan)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for x_pool, z and plan
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
+    x, topk_ids, topk_weights, w13, w2, activation, precision, _, _ = inputs
+    _, x_pool, x_scales, z, plan = output
+    ctx.activation, ctx.precision = activation, precision
+    ctx.mark_non_differentiable(x_pool, x_scales, z, plan)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for what the backward reads
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, x_scales, z, plan)
 
 
-def _backward(ctx, dy, _dx_pool, _dz, _dplan):
-    x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
+def _backward(ctx, dy, _dx_pool, _dx_scales, _dz, _dplan):
+    x, topk_ids, topk_weights, w13, w2, x_pool, x_scales, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, x_pool, z, plan, *needs,
-                               *main_grads)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool,
+                               x_scales, z, plan, *needs, *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None, None, None
+    return dx, None, dweights, dw13, dw2, None, None, None, None
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool, activation: str = "swiglu"
-                       ) -> torch.Tensor:
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool, activation: str = "swiglu",
+                       precision: str = "bf16") -> torch.Tensor:
     """y of the fused op; the routing plan is kept for the backward when one will run, and the pool
     of x and z as well unless recompute is on."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, backward_will_run and not recompute,
-                             backward_will_run)[0]
+    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, precision,
+                             backward_will_run and not recompute, backward_will_run)[0]

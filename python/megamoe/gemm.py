@@ -73,6 +73,35 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
     return h
 
 
+def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor,
+                   plan: RoutingPlan, activation: str = "swiglu", z: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 gated_gemm: (h e4m3 [rows, I], h_scales [I / 128, rows]) from e4m3 a [rows, H] with
+    a_scales [H / 128, rows] and e4m3 w13 [E_local, 2I, H] with w13_scales [E_local, 2I / 128, H / 128];
+    h = act(gate) · up quantised per row and 128 columns; z [rows, 2I] bf16 as in gated_gemm."""
+    act = activation_id(activation)
+    num_local, two_i, hidden = w13.shape
+    h = torch.empty(a.shape[0], two_i // 2, dtype=torch.float8_e4m3fn, device=a.device)
+    h_scales = torch.empty(two_i // 2 // 128, a.shape[0], dtype=torch.float32, device=a.device)
+    args = _native.GatedGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), w13.data_ptr(), w13_scales.data_ptr(),
+                                    h.data_ptr(), h_scales.data_ptr(), None if z is None else z.data_ptr(),
+                                    two_i // 2, hidden, act)
+    _native.call("megamoe_grouped_gemm_gated_fp8", f"FP8 GEMM1 with {activation}", plan.native(), args,
+                 _native.stream(a.device))
+    return h, h_scales
+
+
+def grouped_gemm_scatter_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                             plan: RoutingPlan, out: torch.Tensor) -> None:
+    """Block-FP8 grouped_gemm_scatter into the plan's slot rows: out[slot_to_route[s]] = a[s] · b[e]ᵀ,
+    a [rows, K] e4m3 with a_scales [K / 128, rows], b [E_local, N, K] e4m3 with b_scales
+    [E_local, N / 128, K / 128]."""
+    args = _native.ScatterGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(),
+                                      out.data_ptr(), None, out.shape[0], out.shape[1], a.shape[1])
+    _native.call("megamoe_grouped_gemm_scatter_fp8", "FP8 grouped GEMM with scattered rows", plan.native(), args,
+                 _native.stream(a.device))
+
+
 def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, row_of_slot: torch.Tensor | None,
                          out: torch.Tensor, b_is_k_by_n: bool = False) -> None:
     """out[row_of_slot[s]] = a[s] · B[e] for every live pool row s (rows mapped to -1 or past out are
@@ -98,6 +127,24 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
                                      dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
+                 args, _native.stream(dy_pool.device))
+    return dz, hp, dp_partial
+
+
+def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torch.Tensor, w2t_scales: torch.Tensor,
+                       z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu"
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows],
+    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]."""
+    act = activation_id(activation)
+    num_local, inter, hidden = w2t.shape
+    rows = dy_pool.shape[0]
+    dz, hp = z.new_empty(rows, 2 * inter), z.new_empty(rows, inter)
+    dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=dy_pool.device)
+    args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
+                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(),
+                                        hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
+    _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return dz, hp, dp_partial
 

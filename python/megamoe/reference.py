@@ -1,7 +1,12 @@
-"""fp64 reference for tests: a dense formulation that shares no indexing code with the backends.
+"""fp64 references for tests.
 
-Every token goes through every expert; a dense routing matrix P[t, e] = Σ_k p[t, k]·[ids[t, k] = e]
-selects and weights the outputs. Differentiable (autograd in fp64) for the gradient checks.
+reference_moe: a dense formulation that shares no indexing code with the backends. Every token goes
+through every expert; a dense routing matrix P[t, e] = Σ_k p[t, k]·[ids[t, k] = e] selects and
+weights the outputs. Differentiable (autograd in fp64) for the gradient checks.
+
+reference_moe_grads: the output and the four gradients by explicit formulas, quantising (and
+dequantising) where the block-FP8 recipe of a precision does, the math itself in fp64: the
+reference the FP8 kernels are held to, since they add no error of their own beyond the recipe's.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fp8
 from .activation import check_activation, gated
 
 
@@ -32,6 +38,58 @@ def reference_moe(x, topk_ids, topk_weights, w13, w2, *, activation: str = "swig
         h = gated(x @ w13[e].T, activation)
         y = y + routing[:, e: e + 1] * (h @ w2[e].T)
     return y
+
+
+def _fp8_rows(a: torch.Tensor) -> torch.Tensor:
+    """a [rows, K] through 1 x 128 block FP8 and back (fp64)."""
+    return fp8.dequantize_rows(*fp8.quantize_rows(a)).double()
+
+
+def _fp8_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [E, N, K] through 128 x 128 block FP8 and back (fp64)."""
+    return fp8.dequantize_blocks(*fp8.quantize_blocks(w)).double()
+
+
+def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: str = "swiglu",
+                        precision: str = "bf16"):
+    """(y, dx, d topk_weights, dw13, dw2) in fp64 for output gradient dy, route by route.
+
+    precision "bf16": no quantisation (what autograd gives for reference_moe). "fp8": the forward
+    quantises x per token and h per row (1 x 128), w13 and w2 per 128 x 128 block; "fp8" and
+    "fp8_bwd" (bf16 forward): the data-gradient GEMMs quantise dy per token and dz per row (1 x 128)
+    with the weights' blocks (dh = dy·w2, dx = dz·w13). dp = ⟨h, dh⟩ with h before its quantisation;
+    the weight gradients take unquantised dy, h and dz and the x the forward used."""
+    check_activation(activation)
+    fp8_forward, fp8_backward = precision == "fp8", precision in ("fp8", "fp8_bwd")
+    ids, p = topk_ids.long(), topk_weights.double()
+    xf = _fp8_rows(x) if fp8_forward else x.double()
+    w13f, w2f = (_fp8_blocks(w13), _fp8_blocks(w2)) if fp8_forward else (w13.double(), w2.double())
+    w13b, w2b = (_fp8_blocks(w13), _fp8_blocks(w2)) if fp8_backward else (w13.double(), w2.double())
+    dyd = dy.double()
+    dyb = _fp8_rows(dy) if fp8_backward else dyd
+    inter = w13.shape[1] // 2
+    y, dx = torch.zeros_like(xf), torch.zeros_like(xf)
+    dp = torch.zeros_like(p)
+    dw13, dw2 = torch.zeros_like(w13f), torch.zeros_like(w2f)
+    for e in range(w13.shape[0]):
+        t, k = torch.where(ids == e)
+        if t.numel() == 0:
+            continue
+        pe = p[t, k].unsqueeze(1)
+        z = xf[t] @ w13f[e].T
+        gate = z[:, :inter].detach().requires_grad_(True)
+        act = gated(torch.cat([gate, torch.ones_like(gate)], dim=1), activation)  # act(gate)
+        (act_grad,) = torch.autograd.grad(act.sum(), gate)
+        act, gate, up = act.detach(), gate.detach(), z[:, inter:]
+        h = act * up
+        y.index_add_(0, t, pe * ((_fp8_rows(h) if fp8_forward else h) @ w2f[e].T))
+        dh = dyb[t] @ w2b[e]
+        dp[t, k] = (h * dh).sum(dim=1)
+        dz = torch.cat([pe * dh * up * act_grad, pe * dh * act], dim=1)
+        dx.index_add_(0, t, (_fp8_rows(dz) if fp8_backward else dz) @ w13b[e])
+        dw2[e] = dyd[t].T @ (pe * h)
+        dw13[e] = dz.T @ xf[t]
+    return y, dx, dp, dw13, dw2
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

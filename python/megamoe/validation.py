@@ -9,6 +9,8 @@ import dataclasses
 import torch
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
+# What the fused kernels compute: bf16, block FP8 forward and backward, or a bf16 forward with an FP8 backward.
+FUSED_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 BACKENDS = ("fused", "grouped", "naive")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -58,6 +60,20 @@ def check_precision(precision: str, device: torch.device) -> None:
         _require(capability is not None and capability[0] >= 10,
                  "precision='mxfp8' needs Blackwell (sm_100) block-scaled tensor cores; "
                  "on Hopper use precision='fp8' (1x128 / 128x128 block scales)", NotImplementedError)
+
+
+def check_fused_precision(precision: str) -> None:
+    _require(precision in FUSED_PRECISIONS, f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
+
+
+def check_backend_precision(backend: str, precision: str, group=None) -> None:
+    """Block FP8 runs in the fused kernels on one rank; the baselines compute in bf16."""
+    if precision == "bf16":
+        return
+    _require(backend == "fused", f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); "
+             f"backend={backend!r} computes in bf16: pass precision='bf16'", NotImplementedError)
+    _require(group is None, f"precision={precision!r} with expert parallelism (group=) is not implemented yet; "
+             "use precision='bf16' with group=, or precision='fp8' on one rank", NotImplementedError)
 
 
 def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id_range=True) -> MoEProblem:

@@ -222,10 +222,10 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", True, True)
-        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", False, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", x_pool, z, plan, True, False, True, True,
-                                   None, None)
+        y, x_pool, x_scales, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True)
+        _, no_x_pool, _, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", "bf16", x_pool, x_scales, z, plan, True,
+                                   False, True, True, None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)

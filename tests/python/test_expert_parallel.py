@@ -41,7 +41,7 @@ def _sm90():
 def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
     ys = virtual_ranks.forward_virtual_ranks(xs, ids, weights, w13s, w2s, activation)
-    y_one = fused_moe_forward(*whole, activation, False, False)[0]
+    y_one = fused_moe_forward(*whole, activation, "bf16", False, False)[0]
     for r, (y, expected) in enumerate(zip(ys, y_one.split(tokens_per_rank))):
         assert y.shape == expected.shape
         assert torch.equal(y, expected), f"rank {r} differs from the single-rank output"
@@ -59,8 +59,8 @@ def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_exp
     dxs, dweights, dw13s, dw2s = virtual_ranks.backward_virtual_ranks(
         list(dy.split(tokens_per_rank)), xs, ids, weights, w13s, w2s, activation)
     empty = whole[0].new_empty(0)
-    dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, activation, empty, empty, whole[1].new_empty(0),
-                                                True, True, True, True, None, None)
+    dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, activation, "bf16", empty, empty.float(), empty,
+                                                whole[1].new_empty(0), True, True, True, True, None, None)
     assert torch.equal(torch.cat(dxs), dx)
     assert torch.equal(torch.cat(dweights), dweight)
     assert torch.equal(torch.cat(dw13s), dw13)

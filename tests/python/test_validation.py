@@ -86,10 +86,11 @@ def test_mxfp8_names_the_hopper_alternative():
         megamoe.moe(*good_inputs(), backend="fused", precision="mxfp8")
 
 
-@pytest.mark.parametrize("backend", ["naive", "grouped", "fused"])
-def test_fp8_is_not_there_yet(backend):
-    with pytest.raises(NotImplementedError, match="runs precision='bf16' today"):
-        megamoe.moe(*good_inputs(), backend=backend, precision="fp8")
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+@pytest.mark.parametrize("backend", ["naive", "grouped"])
+def test_fp8_names_the_fused_backend(backend, precision):
+    with pytest.raises(NotImplementedError, match="runs in backend='fused'"):
+        megamoe.moe(*good_inputs(), backend=backend, precision=precision)
 
 
 def test_fused_on_cpu_names_the_alternative():
@@ -149,8 +150,8 @@ def _entry_points():
     def fused_backward():
         x, ids, weights, w13, w2 = good_inputs()
         empty, no_plan = x.new_empty(0), ids.new_empty(0, dtype=torch.int32)
-        return fused_moe_backward(x, x, ids, weights, w13, w2, "bogus", empty, empty, no_plan, True, True, True, True,
-                                  None, None)
+        return fused_moe_backward(x, x, ids, weights, w13, w2, "bogus", "bf16", empty, empty, empty, no_plan, True,
+                                  True, True, True, None, None)
 
     def virtual(fn, with_dys=False):
         x, ids, weights, w13, w2 = bf16()
@@ -164,7 +165,7 @@ def _entry_points():
         "grouped_moe": lambda: backends.grouped_moe(*good_inputs(), activation="bogus"),
         "naive_moe": lambda: backends.naive_moe(*good_inputs(), activation="bogus"),
         "MoELayer": lambda: megamoe.MoELayer(64, 32, 4, 2, backend="grouped", activation="bogus"),
-        "fused_moe_forward": lambda: fused_moe_forward(*good_inputs(), "bogus", False, False),
+        "fused_moe_forward": lambda: fused_moe_forward(*good_inputs(), "bogus", "bf16", False, False),
         "fused_moe_backward": fused_backward,
         "group_moe": lambda: expert_parallel_group.group_moe(*bf16(), None, "bogus"),
         "gated_gemm": lambda: gemm.gated_gemm(bf16()[X], bf16()[W13], None, "bogus"),
