@@ -4,7 +4,10 @@ block's largest magnitude maps to e4m3's largest finite value."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -48,3 +51,88 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     e, n, k = q.shape
     blocks = q.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     return (blocks * scales[:, :, None, :, None]).view(e, n, k)
+
+
+# --- The weight-quantisation cache ---------------------------------------------------------------
+# Weights change once per optimizer step, so their 128x128 block-FP8 copies are made at most once per
+# step and shared by every micro-batch's forward and by the backward. An entry is keyed on the weight
+# tensor itself, by identity, and lives as long as it: torch.utils.weak.WeakIdKeyDictionary, because
+# weakref.WeakKeyDictionary compares keys with ==, which a tensor answers elementwise. An entry is
+# valid while the weight's version counter (bumped by every in-place update: optimizer.step(),
+# copy_(), add_()), storage, shape, strides, dtype and device are those it was made from; a stale
+# entry is replaced by the next call.
+
+
+@dataclasses.dataclass(eq=False)
+class QuantizedWeight:
+    """The block-FP8 copy of a weight w [E, N, K]: q e4m3 [E, N, K] and scales fp32 [E, N/128, K/128]
+    (quantize_blocks), and on demand its transposed copy for the backward (`transposed()`)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    _transposed: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [E, K, N], scales fp32 [E, K/128, N/128]): the copy of w.transpose(1, 2), made once.
+        A 128x128 block transposes into a 128x128 block with the same amax, so this is exactly
+        quantize_blocks(w.transpose(1, 2)) without requantising: a transposed copy of q and scales."""
+        if self._transposed is None:
+            self._transposed = (self.q.transpose(1, 2).contiguous(), self.scales.transpose(1, 2).contiguous())
+        return self._transposed
+
+    def nbytes(self) -> int:
+        """Device bytes held: q and scales, and the transposed copy once it was made."""
+        tensors = (self.q, self.scales, *(self._transposed or ()))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (key, QuantizedWeight)
+
+
+def _cache_key(w: torch.Tensor) -> tuple:
+    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+
+
+def _cacheable(w: torch.Tensor) -> bool:
+    """False under torch.compile, for fake / meta tensors (no storage, no real version) and for inference
+    tensors (no version counter): those are quantised on every call."""
+    if torch.compiler.is_compiling() or w.device.type == "meta" or w.is_inference():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return not is_fake(w)
+
+
+def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
+    """The block-FP8 copy of the weight w [E, N, K] (N and K multiples of 128), from the cache while w is
+    unchanged. The copy carries no autograd history; its transposed copy (`.transposed()`) is made the
+    first time the backward asks for it and cached with it."""
+    if not _cacheable(w):
+        with torch.no_grad():
+            return QuantizedWeight(*quantize_blocks(w.detach()))
+    key = _cache_key(w)
+    entry = _CACHE.get(w)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    _CACHE.pop(w, None)  # the stale copy goes before the new one is made: never both at once
+    with torch.no_grad():
+        quantized = QuantizedWeight(*quantize_blocks(w.detach()))
+    _CACHE[w] = (key, quantized)
+    return quantized
+
+
+def cache_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes held by the cached copies of weights that are still alive (on `device` if given): about one
+    byte per weight element for the forward copy, one more once the backward made the transposed one,
+    plus 4 bytes per 128x128 block for each copy's scales."""
+    device = None if device is None else torch.device(device)
+    return sum(entry.nbytes() for _, entry in _CACHE.values()
+               if device is None or _same_device(entry.q.device, device))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (b.index is None or a.index == b.index)
+
+
+def clear_weight_cache() -> None:
+    """Drops every cached copy (their memory returns to the caching allocator)."""
+    _CACHE.clear()

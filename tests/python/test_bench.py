@@ -114,12 +114,12 @@ def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):
 def test_bench_records_out_of_memory_and_carries_on(tmp_path, monkeypatch):
     build = backends.build
 
-    def build_or_fail(name, shape, precision):
+    def build_or_fail(name, shape, precision, device=None):
         if name == "naive":
             def out_of_memory(*args):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 GiB.\nmore")
             return out_of_memory
-        return build(name, shape, precision)
+        return build(name, shape, precision, device)
 
     monkeypatch.setattr(backends, "build", build_or_fail)
     assert main([*SMOKE, "--backends", "naive", "grouped", "--out", str(tmp_path)]) == 0

@@ -60,3 +60,89 @@ def test_grouped_gemm_fp8_matches_the_dequantized_product():
     assert relative_error(c[:live][real].float(), want[real]) < 1e-2
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         grouped_gemm_fp8(a.bfloat16(), a_scales, bq, b_scales, plan)
+
+
+# --- The weight-quantisation cache ---------------------------------------------------------------
+
+@pytest.fixture
+def empty_cache():
+    fp8.clear_weight_cache()
+    yield
+    fp8.clear_weight_cache()
+
+
+def test_a_weight_is_quantised_once_and_reused_until_it_changes(empty_cache):
+    w = torch.randn(2, 256, 384)
+    first = fp8.quantized_weight(w)
+    q, scales = fp8.quantize_blocks(w)
+    assert torch.equal(first.q.float(), q.float()) and torch.equal(first.scales, scales)
+    again = fp8.quantized_weight(w)
+    assert again is first and again.q is first.q and again.scales is first.scales
+    assert again.transposed() is first.transposed()  # the backward's copy is made once, too
+
+
+def test_an_in_place_update_invalidates_the_copy(empty_cache):
+    w = torch.randn(2, 128, 256)
+    before = fp8.quantized_weight(w)
+    before.transposed()
+    w.add_(1)  # what optimizer.step() does: in place, bumping w._version
+    after = fp8.quantized_weight(w)
+    assert after is not before
+    assert torch.equal(after.q.float(), fp8.quantize_blocks(w)[0].float())
+    assert after._transposed is None  # made again only when asked
+    with torch.no_grad():  # an update under no_grad (as optimizers do) bumps the version as well
+        w.mul_(0.5)
+    assert fp8.quantized_weight(w) is not after
+
+
+def test_a_parameter_updated_by_an_optimizer_gets_a_new_copy(empty_cache):
+    w = torch.nn.Parameter(torch.randn(1, 128, 128))
+    before = fp8.quantized_weight(w)
+    w.grad = torch.ones_like(w)
+    torch.optim.SGD([w], lr=0.1).step()
+    assert fp8.quantized_weight(w) is not before
+
+
+def test_each_weight_has_its_own_copy_and_a_freed_weight_frees_it(empty_cache):
+    a, b = torch.randn(1, 128, 128), torch.randn(1, 128, 128)
+    qa, qb = fp8.quantized_weight(a), fp8.quantized_weight(b)
+    assert qa is not qb and not torch.equal(qa.q.float(), qb.q.float())
+    assert fp8.quantized_weight(a.clone()) is not qa  # equal values, another tensor
+    per_copy = 128 * 128 + 4  # e4m3 values and one fp32 scale
+    assert fp8.cache_bytes() == 2 * per_copy
+    del b, qb
+    assert fp8.cache_bytes() == per_copy
+    fp8.clear_weight_cache()
+    assert fp8.cache_bytes() == 0
+
+
+def test_the_transposed_copy_is_exactly_the_quantised_transpose(empty_cache):
+    w = torch.randn(3, 256, 384) * torch.logspace(-2, 2, 384)  # blocks of very different magnitude
+    qt, scales_t = fp8.quantized_weight(w).transposed()
+    want_q, want_scales = fp8.quantize_blocks(w.transpose(1, 2))
+    assert qt.shape == (3, 384, 256) and scales_t.shape == (3, 3, 2)
+    assert qt.is_contiguous() and scales_t.is_contiguous()
+    assert torch.equal(qt.view(torch.uint8), want_q.view(torch.uint8))  # bit for bit
+    assert torch.equal(scales_t, want_scales)
+
+
+def test_the_memory_figure_counts_both_copies(empty_cache):
+    w = torch.randn(4, 256, 512)
+    quantized = fp8.quantized_weight(w)
+    forward = w.numel() + 4 * (4 * 2 * 4)  # one byte per value, 4 bytes per 128x128 block
+    assert quantized.nbytes() == fp8.cache_bytes() == forward
+    quantized.transposed()
+    assert fp8.cache_bytes() == 2 * forward
+    assert fp8.cache_bytes("cpu") == 2 * forward and fp8.cache_bytes("meta") == 0
+
+
+def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        w = torch.empty(1, 128, 128)
+        quantized = fp8.quantized_weight(w)
+    assert quantized.q.shape == (1, 128, 128) and fp8.cache_bytes() == 0
+    real = torch.randn(1, 128, 128)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fp8.quantized_weight(real) is not fp8.quantized_weight(real)
+    assert fp8.cache_bytes() == 0

@@ -18,10 +18,11 @@ from ..activation import check_activation, gated
 ALIGN_M = 8  # TorchTitan's token-group alignment for bf16
 
 
-def sort_routes_by_expert(topk_ids: torch.Tensor, num_local: int, expert_begin: int):
+def sort_routes_by_expert(topk_ids: torch.Tensor, num_local: int, expert_begin: int, align_m: int = ALIGN_M):
     """(route_row [T*K]: row of each route in the padded expert-major buffer, masked and non-local
     routes pointing at the last row (in the tail); row_token [rows]: source token of each row, T for
-    padding; group_ends [E_local] int32, the last one = rows)."""
+    padding; group_ends [E_local] int32, the last one = rows). Every group starts at a multiple of
+    align_m."""
     num_tokens, top_k = topk_ids.shape
     local = topk_ids.flatten().long() - expert_begin
     is_local = (local >= 0) & (local < num_local)
@@ -29,8 +30,8 @@ def sort_routes_by_expert(topk_ids: torch.Tensor, num_local: int, expert_begin: 
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(num_local + 1, dtype=torch.long, device=key.device).index_add_(
         0, key, torch.ones_like(key))[:num_local]
-    padded = (counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M
-    rows = topk_ids.numel() + num_local * (ALIGN_M - 1) + 1  # worst case, plus a tail row
+    padded = (counts + align_m - 1) // align_m * align_m
+    rows = topk_ids.numel() + num_local * (align_m - 1) + 1  # worst case, plus a tail row
     sorted_key = key[order]
     expert = sorted_key.clamp_max(num_local - 1)
     rank_in_expert = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[expert]
@@ -81,14 +82,26 @@ class _GatherRoutes(torch.autograd.Function):
 
 def grouped_moe(x, topk_ids, topk_weights, w13, w2, *, expert_begin: int = 0,
                 activation: str = "swiglu") -> torch.Tensor:
+    return expert_path(x, topk_ids, topk_weights, w13, w2, _bf16_grouped_mm, expert_begin=expert_begin,
+                       activation=activation)
+
+
+def _bf16_grouped_mm(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, w.transpose(-2, -1), offs=group_ends)
+
+
+def expert_path(x, topk_ids, topk_weights, w13, w2, grouped_mm, *, expert_begin: int = 0,
+                activation: str = "swiglu", align_m: int = ALIGN_M) -> torch.Tensor:
+    """The grouped path with its two expert GEMMs done by grouped_mm(a [rows, K], w [E, N, K],
+    group_ends) -> [rows, N] (a's rows of group e times w[e]ᵀ); groups aligned to align_m rows."""
     check_activation(activation)
     num_tokens, top_k = topk_ids.shape
     num_local, _, hidden = w13.shape
-    route_row, row_token, group_ends = sort_routes_by_expert(topk_ids, num_local, expert_begin)
+    route_row, row_token, group_ends = sort_routes_by_expert(topk_ids, num_local, expert_begin, align_m)
     xs = _GatherTokens.apply(x, row_token, route_row, top_k)
-    z = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=group_ends)
+    z = grouped_mm(xs, w13, group_ends)
     h = gated(z, activation)
-    o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=group_ends)
+    o = grouped_mm(h, w2, group_ends)
     routed = _GatherRoutes.apply(o, route_row).view(num_tokens, top_k, hidden)
     # Masked routes read the tail row (zero input, zero output); a zero weight also zeroes the
     # gradient they would send back into that shared row.

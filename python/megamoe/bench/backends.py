@@ -14,8 +14,10 @@ from megamoe.validation import BACKENDS as MOE_BACKENDS
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # megamoe.moe's own backends, fused keeping only its inputs for the backward (recompute=True), then
-# what users run today.
-BACKENDS = (*MOE_BACKENDS, "fused-recompute", "grouped-compiled", "hf-grouped_mm")
+# what users run today: grouped-fp8 is TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
+BACKENDS = (*MOE_BACKENDS, "fused-recompute", "grouped-compiled", "hf-grouped_mm", "grouped-fp8")
+# The backends that take a precision other than bf16 (the others are recorded as skipped there).
+LOW_PRECISION_BACKENDS = ("fused", "fused-recompute", "grouped-fp8")
 
 
 # torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
@@ -32,7 +34,16 @@ class Unavailable(Exception):
     """The backend cannot run in this environment; the message says why."""
 
 
-def build(name: str, shape: MoEShape, precision: str) -> MoEFn:
+def build(name: str, shape: MoEShape, precision: str, device: torch.device | None = None) -> MoEFn:
+    """The backend `name` at `precision`, or Unavailable saying why it cannot run (device: where it will
+    run; None: the current CUDA device if there is one)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS}")
+    if name == "grouped-fp8":
+        return _grouped_fp8(precision, device)
+    if precision != "bf16" and name not in LOW_PRECISION_BACKENDS:
+        raise Unavailable(f"{name} runs bf16 only (precision={precision!r} runs on "
+                          f"{', '.join(LOW_PRECISION_BACKENDS)})")
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
     if name == "fused-recompute":
@@ -42,9 +53,27 @@ def build(name: str, shape: MoEShape, precision: str) -> MoEFn:
         # default would switch to dynamic shapes once the benchmark's second token count appears.
         return torch.compile(functools.partial(megamoe.moe, backend="grouped", precision=precision),
                              dynamic=False)
-    if name == "hf-grouped_mm":
-        return _hf_grouped_mm(shape, precision)
-    raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS}")
+    return _hf_grouped_mm(shape, precision)
+
+
+def _grouped_fp8(precision: str, device: torch.device | None) -> MoEFn:
+    """The grouped path with torch._scaled_grouped_mm rowwise-FP8 expert GEMMs (TorchTitan on Hopper)."""
+    if precision != "fp8":
+        raise Unavailable(f"grouped-fp8 is the FP8 baseline: it runs with --precision fp8 only, "
+                          f"not {precision!r}")
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or device.type != "cuda":
+        raise Unavailable(f"grouped-fp8 needs an sm_90 GPU (torch._scaled_grouped_mm with rowwise scales on "
+                          f"Hopper), this run is on the {'cpu' if device is None else device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        raise Unavailable(f"grouped-fp8 needs an sm_90 GPU (torch._scaled_grouped_mm with rowwise scales on "
+                          f"Hopper), this is sm_{capability[0]}{capability[1]}")
+    from megamoe.backends import grouped_fp8
+    if grouped_fp8._scaled_grouped_mm is None:
+        raise Unavailable(f"grouped-fp8 needs torch._scaled_grouped_mm, which torch {torch.__version__} lacks")
+    return grouped_fp8.grouped_fp8_moe
 
 
 def _hf_grouped_mm(shape: MoEShape, precision: str) -> MoEFn:

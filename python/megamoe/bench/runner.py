@@ -132,7 +132,7 @@ def _routes(sets: list[Operands]) -> int:
 def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: torch.Tensor,
                      plan: Plan, device: Device) -> None:
     try:
-        fn = backends.build(record.backend, shape, record.precision)
+        fn = backends.build(record.backend, shape, record.precision, device.device)
     except backends.Unavailable as why:
         record.skipped = str(why)
         return
