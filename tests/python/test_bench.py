@@ -191,3 +191,31 @@ def test_every_entry_point_defaults_its_output_to_runs_bench(module, capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "default: runs/bench" in text and "--out bench/results" in text  # the records: on purpose only
+
+
+def test_bench_at_fp8_records_what_has_no_fp8_path_as_skipped_with_the_reason(tmp_path):
+    args = [*SMOKE, "--backends", "fused", "grouped", "grouped-fp8", "--precision", "bf16", "fp8"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    records = {(r["backend"], r["precision"]): r for r in read_results(tmp_path)["records"]}
+    assert set(records) == {(b, p) for b in ("fused", "grouped", "grouped-fp8") for p in ("bf16", "fp8")}
+    assert records["grouped", "bf16"]["skipped"] is None and records["grouped", "bf16"]["fwd_ms"] > 0
+    assert records["grouped", "fp8"]["skipped"].startswith("grouped runs bf16 only")
+    assert "--precision fp8" in records["grouped-fp8", "bf16"]["skipped"]
+    assert "sm_90" in records["grouped-fp8", "fp8"]["skipped"]  # a CPU run
+    assert records["fused", "fp8"]["skipped"]  # no CUDA tensors here
+    for r in records.values():
+        assert r["skipped"] or r["precision"] == "bf16"
+
+
+def test_fp8_records_are_compared_with_grouped_fp8_where_it_ran():
+    from megamoe.bench.record import Record, fill_derived
+    records = [Record("tiny", 64, "balanced", backend, precision, fwd_ms=ms, routes=128)
+               for backend, precision, ms in (("grouped", "bf16", 4.0), ("grouped-fp8", "fp8", 2.0),
+                                              ("fused", "fp8", 0.5), ("fused", "bf16", 1.0))]
+    fill_derived(records, peak_bf16_tflops=1.0)
+    ratios = {(r.backend, r.precision): (r.fwd_vs_grouped, r.grouped_baseline) for r in records}
+    assert ratios["fused", "fp8"] == (4.0, "grouped-fp8/fp8")
+    assert ratios["grouped-fp8", "fp8"] == (1.0, "grouped-fp8/fp8")
+    assert ratios["fused", "bf16"] == (4.0, "grouped/bf16")
+    fill_derived(records[:1] + records[2:3], peak_bf16_tflops=1.0)  # no grouped-fp8: the bf16 baseline
+    assert (records[2].fwd_vs_grouped, records[2].grouped_baseline) == (8.0, "grouped/bf16")

@@ -104,10 +104,33 @@ def test_fresh_starts_the_run_over(tmp_path, capsys):
         cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path}", "--fresh", "--resume"])
 
 
-@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8"])
-def test_precisions_the_loop_cannot_train_yet_are_refused_by_the_config(tmp_path, precision):
-    with pytest.raises(ConfigError, match=rf"\[moe\]\.precision = '{precision}': .*supported: bf16"):
-        tiny(tmp_path, f"moe.precision={precision}")
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_precisions_are_trainable_on_the_fused_backend(tmp_path, precision):
+    config = tiny(tmp_path, f"moe.precision={precision}", "moe.backend=fused")
+    assert config.moe.precision == precision and config.moe.backend == "fused"
+
+
+@pytest.mark.parametrize("backend", ["grouped", "naive"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_precisions_on_another_backend_are_refused_by_the_config(tmp_path, precision, backend):
+    with pytest.raises(ConfigError, match=rf"\[moe\]\.precision = '{precision}': precision '{precision}' runs on "
+                                          rf"backend 'fused' only, not '{backend}'"):
+        tiny(tmp_path, f"moe.precision={precision}", f"moe.backend={backend}")
+
+
+def test_mxfp8_is_refused_naming_fp8(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[moe\]\.precision = 'mxfp8': needs Blackwell.*use 'fp8'.*"
+                                          r"supported: bf16, fp8, fp8_bwd"):
+        tiny(tmp_path, "moe.precision=mxfp8", "moe.backend=fused")
+
+
+def test_the_cli_refuses_fp8_with_a_baseline_backend_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--config", str(TINY), *CPU, "--backend", "grouped", "--set", "moe.precision=fp8",
+                  "--set", f"output.dir={tmp_path}"])
+    assert exit_info.value.code == 2
+    assert "runs on backend 'fused' only, not 'grouped'" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_fused_without_a_gpu_is_refused_before_training_naming_the_cpu_backends(tmp_path, capsys):
@@ -232,3 +255,60 @@ def test_parity_entry_point_compares_with_the_reference(tmp_path):
 def test_parity_rejects_no_noise_runs(tmp_path):
     with pytest.raises(SystemExit):
         parity.main(["--config", str(TINY), *CPU, "--noise-runs", "0", "--out", str(tmp_path)])
+
+
+def test_bench_has_a_row_per_precision_and_skips_backends_without_one(tmp_path):
+    assert bench.main(["--config", str(TINY), *CPU, "--backends", "grouped", "fused", "--precision", "bf16", "fp8",
+                       "--warmup", "1", "--warmup-seconds", "0", "--steps", "1", "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "train_latest.json").read_text())["records"]
+    assert [(r["backend"], r["precision"]) for r in records] == [
+        ("grouped", "bf16"), ("fused", "bf16"), ("grouped", "fp8"), ("fused", "fp8")]
+    by_key = {(r["backend"], r["precision"]): r for r in records}
+    assert by_key["grouped", "bf16"]["step_ms"] > 0 and by_key["grouped", "bf16"]["vs_grouped"] == 1.0
+    assert by_key["grouped", "fp8"]["skipped"] == "precision 'fp8' runs on backend 'fused' only, not 'grouped'"
+    assert by_key["grouped", "fp8"]["step_ms"] is None
+    assert by_key["fused", "fp8"]["skipped"]  # CUDA only, recorded with the reason
+
+
+def test_bench_and_parity_refuse_an_unknown_precision(tmp_path):
+    for main in (bench.main, parity.main):
+        with pytest.raises(SystemExit):
+            main(["--config", str(TINY), *CPU, "--precision", "mxfp8", "--out", str(tmp_path)])
+
+
+def test_parity_runs_each_precision_and_compares_fp8_with_bf16_fused_too():
+    assert parity.runs(["grouped"], ["bf16"], "naive") == [("grouped", "bf16")]
+    # fp8 needs the BF16 fused run as its second baseline: added when not asked for.
+    assert parity.runs(["fused"], ["fp8", "fp8_bwd"], "naive") == [
+        ("fused", "bf16"), ("fused", "fp8"), ("fused", "fp8_bwd")]
+    assert parity.runs(["fused", "grouped"], ["bf16", "fp8"], "naive") == [
+        ("fused", "bf16"), ("grouped", "bf16"), ("fused", "fp8"), ("grouped", "fp8")]
+    assert parity.runs(["fused"], ["bf16", "fp8"], "fused") == [("fused", "fp8")]  # the reference is fused
+    assert parity.run_name("fused", "fp8") == "fused/fp8" and parity.run_name("grouped", "bf16") == "grouped"
+
+
+def test_parity_records_precisions_and_skips_what_has_no_path_at_one(tmp_path, monkeypatch):
+    curves = {}
+
+    def fake_curve(config, name, backend, perturbation=0, precision="bf16"):
+        why = parity.backend_cannot_run(backend, precision)
+        if why:
+            return parity.Curve(name, [], skipped=why, precision=precision)
+        # Every run learns alike, off by a little: within any tolerance.
+        losses = [5.0 - 0.01 * step + 1e-4 * perturbation for step in range(3)]
+        curves[name] = precision
+        return parity.Curve(name, losses, precision=precision)
+
+    monkeypatch.setattr(parity, "train_curve", fake_curve)
+    code = parity.main(["--config", str(TINY), *CPU, "--steps", "3", "--backends", "grouped", "fused",
+                        "--precision", "bf16", "fp8", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "train_parity_latest.json").read_text())
+    assert result["precisions"] == ["bf16", "fp8"]
+    assert curves == {"naive": "bf16", "naive (perturbed init 1)": "bf16", "naive (perturbed init 2)": "bf16",
+                      "grouped": "bf16", "fused": "bf16", "fused/fp8": "fp8"}
+    skipped = {c["name"]: c["skipped"] for c in result["curves"] if c["skipped"]}
+    assert skipped == {"grouped/fp8": "precision 'fp8' runs on backend 'fused' only, not 'grouped'"}
+    pairs = [(c["backend"], c["precision"], c["reference"]) for c in result["comparisons"]]
+    assert pairs == [("grouped", "bf16", "naive"), ("fused", "bf16", "naive"), ("fused/fp8", "fp8", "naive"),
+                     ("fused/fp8", "fp8", "fused")]
+    assert all(c["within_tolerance"] for c in result["comparisons"]) and code == 0

@@ -42,8 +42,8 @@ def build(name: str, shape: MoEShape, precision: str, device: torch.device | Non
     if name == "grouped-fp8":
         return _grouped_fp8(precision, device)
     if precision != "bf16" and name not in LOW_PRECISION_BACKENDS:
-        raise Unavailable(f"{name} runs bf16 only (precision={precision!r} runs on "
-                          f"{', '.join(LOW_PRECISION_BACKENDS)})")
+        counterpart = " (FP8 counterpart: grouped-fp8)" if name.startswith("grouped") else ""
+        raise Unavailable(f"{name} runs bf16 only{counterpart}, not precision={precision!r}")
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
     if name == "fused-recompute":

@@ -10,6 +10,7 @@ MODES = ("fwd", "fwdbwd")
 # Backward is 12·H·I per route against the forward's 6·H·I (docs/DESIGN.md): fwd + bwd = 3× forward.
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3}
 BASELINE = "grouped"
+FP8_BASELINE = "grouped-fp8"  # grouped with FP8 GEMMs (TorchTitan's FP8 path): the baseline at fp8
 
 
 @dataclasses.dataclass
@@ -43,9 +44,9 @@ class Record:
     fwdbwd_tflops: float | None = None
     fwd_pct_bf16_peak: float | None = None
     fwdbwd_pct_bf16_peak: float | None = None
-    fwd_vs_grouped: float | None = None  # grouped time / this time: > 1 means faster than grouped
+    fwd_vs_grouped: float | None = None  # baseline time / this time: > 1 means faster than the baseline
     fwdbwd_vs_grouped: float | None = None
-    grouped_baseline: str | None = None  # the grouped record the ratios use, e.g. "grouped/bf16"
+    grouped_baseline: str | None = None  # the record the ratios use, e.g. "grouped/bf16", "grouped-fp8/fp8"
 
     def ms(self, mode: str) -> float | None:
         return getattr(self, f"{mode}_ms")
@@ -54,15 +55,16 @@ class Record:
 def fill_derived(records: list[Record], peak_bf16_tflops: float) -> None:
     """TFLOPS, % of the measured dense bf16 peak, and the speed ratio to `grouped`.
 
-    The ratio compares against `grouped` at the same precision where it ran, else `grouped` in bf16
-    (e.g. fused fp8 against the bf16 baseline when grouped has no fp8 path).
+    The ratio compares against `grouped` at the same precision where it ran, else `grouped-fp8` at that
+    precision (fused fp8 against TorchTitan's FP8 path), else `grouped` in bf16.
     """
-    grouped = {(r.preset, r.tokens, r.routing, r.precision): r for r in records if r.backend == BASELINE}
+    grouped = {(r.backend, r.preset, r.tokens, r.routing, r.precision): r for r in records
+               if r.backend in (BASELINE, FP8_BASELINE)}
     for r in records:
         shape = PRESETS[r.preset]
         base = _baseline(grouped, r)
         if base is not None:
-            r.grouped_baseline = f"{BASELINE}/{base.precision}"
+            r.grouped_baseline = f"{base.backend}/{base.precision}"
         for mode in MODES:
             ms = r.ms(mode)
             if ms is None:
@@ -75,8 +77,8 @@ def fill_derived(records: list[Record], peak_bf16_tflops: float) -> None:
 
 
 def _baseline(grouped: dict, r: Record) -> Record | None:
-    for precision in (r.precision, "bf16"):
-        base = grouped.get((r.preset, r.tokens, r.routing, precision))
+    for backend, precision in ((BASELINE, r.precision), (FP8_BASELINE, r.precision), (BASELINE, "bf16")):
+        base = grouped.get((backend, r.preset, r.tokens, r.routing, precision))
         if base is not None and (base.fwd_ms is not None or base.fwdbwd_ms is not None):
             return base
     return None

@@ -1,7 +1,8 @@
 """`python -m megamoe.train.bench`: training-step time and tokens/s of each backend on one model.
 
 One model (the config's, by default Qwen3-30B-A3B sizes with 4 layers on 16384-token sequences) is
-built once and re-patched per backend; each backend gets warm-up steps (at least --warmup of them and
+built once and re-patched per backend and precision (--precision: one row each; a backend that has no
+path at a precision is recorded as skipped); each gets warm-up steps (at least --warmup of them and
 --warmup-seconds of time, so the GPU runs at its sustained, power-limited clock), then timed full
 training steps (forward, backward, AdamW). A backend that cannot run (NotImplementedError, out of memory) is
 recorded as skipped, with the reason, and the others still run.
@@ -24,7 +25,7 @@ from megamoe.hf import patch_hf_model
 from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
-from .config import Config, ConfigError, load_config
+from .config import TRAINABLE_PRECISIONS, Config, ConfigError, backend_cannot_run, load_config
 from .data import SyntheticCorpus
 from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
@@ -40,17 +41,21 @@ class BenchRecord:
     step_ms: float | None = None  # median over the timed steps
     step_ms_min: float | None = None
     tokens_per_s: float | None = None
-    vs_grouped: float | None = None  # grouped's step time / this one's: > 1 is faster than grouped
+    vs_grouped: float | None = None  # grouped's (bf16) step time / this one's: > 1 is faster than grouped
     peak_mem_gb: float | None = None  # device memory at the peak of a step (GPU only)
     warmup_steps: int | None = None  # untimed steps run: --warmup at least, and --warmup-seconds of them
     losses: list[float] = dataclasses.field(default_factory=list)  # warm-up and timed steps
 
 
 def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, warmup_seconds: float,
-                  steps: int, device: Device) -> BenchRecord:
+                  steps: int, device: Device, precision: str | None = None) -> BenchRecord:
+    """precision None: the config's."""
     config = trainer.config
-    record = BenchRecord(backend, config.moe.precision)
-    patch_hf_model(trainer.model, backend=backend, precision=config.moe.precision)
+    record = BenchRecord(backend, precision or config.moe.precision)
+    record.skipped = backend_cannot_run(backend, record.precision)
+    if record.skipped:
+        return record
+    patch_hf_model(trainer.model, backend=backend, precision=record.precision)
     cuda = trainer.device.type == "cuda"
     warmup_s = device.sustained_warmup_seconds(warmup_seconds)
     times = []
@@ -85,16 +90,18 @@ def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmu
 
 
 def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_seconds: float,
-              steps: int) -> list[BenchRecord]:
+              steps: int, precisions: Sequence[str] | None = None) -> list[BenchRecord]:
+    """One record per precision (None: the config's) and backend, in that order."""
     trainer = Trainer(config)
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
     device = Device(trainer.device)
     records = []
-    for backend in backends:
-        print(f"{backend}: >= {warmup} warm-up steps and {warmup_seconds:g} s, {steps} timed steps", file=sys.stderr,
-              flush=True)
-        records.append(bench_backend(trainer, corpus, backend, warmup, warmup_seconds, steps, device))
-    grouped = next((r for r in records if r.backend == "grouped" and r.step_ms), None)
+    for precision in precisions or [config.moe.precision]:
+        for backend in backends:
+            print(f"{backend}/{precision}: >= {warmup} warm-up steps and {warmup_seconds:g} s, {steps} timed steps",
+                  file=sys.stderr, flush=True)
+            records.append(bench_backend(trainer, corpus, backend, warmup, warmup_seconds, steps, device, precision))
+    grouped = next((r for r in records if r.backend == "grouped" and r.precision == "bf16" and r.step_ms), None)
     for r in records:
         if grouped and r.step_ms:
             r.vs_grouped = grouped.step_ms / r.step_ms
@@ -102,15 +109,15 @@ def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_secon
 
 
 def print_table(records: Sequence[BenchRecord], tokens: int) -> None:
-    print(f"{'backend':<10}{'step ms':>10}{'tokens/s':>12}{'x grouped':>11}{'mem GB':>8}  "
+    print(f"{'backend':<10}{'prec':<9}{'step ms':>10}{'tokens/s':>12}{'x grouped':>11}{'mem GB':>8}  "
           f"(tokens per step: {tokens})")
     for r in records:
         if r.skipped:
-            print(f"{r.backend:<10}skipped: {r.skipped[:100]}")
+            print(f"{r.backend:<10}{r.precision:<9}skipped: {r.skipped[:100]}")
             continue
         mem = f"{r.peak_mem_gb:.1f}" if r.peak_mem_gb is not None else "-"
         ratio = f"{r.vs_grouped:.2f}" if r.vs_grouped is not None else "-"
-        print(f"{r.backend:<10}{r.step_ms:>10.1f}{r.tokens_per_s:>12,.0f}{ratio:>11}{mem:>8}")
+        print(f"{r.backend:<10}{r.precision:<9}{r.step_ms:>10.1f}{r.tokens_per_s:>12,.0f}{ratio:>11}{mem:>8}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="and at least this long (4 s for the first backend), so the GPU runs at its sustained "
                              "(power-limited) clock")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend (default 10)")
+    parser.add_argument("--precision", nargs="+", choices=TRAINABLE_PRECISIONS, default=None,
+                        help="the experts' precision(s), a row each (default: the config's [moe].precision); "
+                             "fp8 and fp8_bwd run on backend fused")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
@@ -130,9 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # The learning-rate schedule spans the counted steps; a warm-up that runs longer by time
         # continues at the schedule's final rate (the step time does not depend on it).
-        total_steps = len(args.backends) * (args.warmup + args.steps)
+        precisions = list(dict.fromkeys(args.precision)) if args.precision else None
+        total_steps = len(args.backends) * len(precisions or [None]) * (args.warmup + args.steps)
         config = load_config(args.config, args.set + [f"train.steps={total_steps}"])
-        records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps)
+        records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps, precisions)
     except ConfigError as error:
         parser.error(str(error))
     tokens = config.train.batch_size * config.train.seq_len

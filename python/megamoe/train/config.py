@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megamoe.shapes import PRESETS, MoEShape
-from megamoe.validation import BACKENDS, PRECISIONS
+from megamoe.validation import BACKENDS
 
 
 class ConfigError(ValueError):
@@ -104,10 +104,22 @@ MODEL_PRESETS = {
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "data": DataConfig,
             "output": OutputConfig}
 CHECKPOINTING = ("none", "full", "moe")
-# The precisions a model trains in today. megamoe.moe knows the others of validation.PRECISIONS but
-# raises NotImplementedError for them, which would end a run at its first step.
-TRAINABLE_PRECISIONS = ("bf16",)
+# The precisions a model trains in: bf16, block FP8 forward and backward, BF16 forward with an FP8
+# backward. "mxfp8" (validation.PRECISIONS) needs Blackwell and is refused.
+TRAINABLE_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+# The backends each precision runs on: FP8 is the fused kernels' (the baselines compute in bf16).
+PRECISION_BACKENDS = {"bf16": BACKENDS, "fp8": ("fused",), "fp8_bwd": ("fused",)}
 DEVICES = ("auto", "cuda", "cpu")
+_UNTRAINABLE = {"mxfp8": "needs Blackwell (sm_100) block-scaled tensor cores; on Hopper use 'fp8' "
+                         "(1x128 / 128x128 block scales)"}
+
+
+def backend_cannot_run(backend: str, precision: str) -> str | None:
+    """Why `backend` cannot train at `precision`, or None when it can."""
+    backends = PRECISION_BACKENDS.get(precision, ())
+    if backend in backends:
+        return None
+    return f"precision {precision!r} runs on backend {' or '.join(repr(b) for b in backends)} only, not {backend!r}"
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -216,8 +228,9 @@ def _validate(config: Config) -> None:
              model.num_key_value_heads, f"must divide num_attention_heads = {model.num_attention_heads}")
     _require(moe.backend in BACKENDS, "[moe].backend", moe.backend, f"must be one of {', '.join(BACKENDS)}")
     _require(moe.precision in TRAINABLE_PRECISIONS, "[moe].precision", moe.precision,
-             f"{'not implemented yet' if moe.precision in PRECISIONS else 'unknown'}; "
-             f"supported: {', '.join(TRAINABLE_PRECISIONS)}")
+             f"{_UNTRAINABLE.get(moe.precision, 'unknown')}; supported: {', '.join(TRAINABLE_PRECISIONS)}")
+    why = backend_cannot_run(moe.backend, moe.precision)
+    _require(why is None, "[moe].precision", moe.precision, f"{why}; set [moe].backend = 'fused' or precision = 'bf16'")
     _require(moe.expert_parallel == 1, "[moe].expert_parallel", moe.expert_parallel,
              "only 1 is supported for now (the training loop runs on one GPU; expert parallelism across "
              "GPUs is not implemented yet)")

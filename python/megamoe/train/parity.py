@@ -1,8 +1,10 @@
 """`python -m megamoe.train.parity`: loss curves of several backends from the same initialisation and data.
 
 Each backend trains a freshly built model (same seed, so the same weights) on the same batches, and its
-curve is compared with the reference backend's (naive: transformers' eager loop over experts).
-Backends that cannot run here are recorded as skipped.
+curve is compared with the reference backend's (naive: transformers' eager loop over experts, bf16).
+With --precision, each backend runs once per precision; a run in a precision other than bf16 is also
+compared with the BF16 fused run (added when not asked for), by the same criteria. Backends that
+cannot run here, or have no path at a precision, are recorded as skipped.
 
 Tolerance. Backends compute the same math in bf16 and differ only in rounding (summation order), so:
 - step 1 (same weights, same batch) must agree within STEP1_TOLERANCE, the bf16 bound the tests use (1e-2);
@@ -31,7 +33,7 @@ from megamoe.bench.report import add_out_argument
 from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
-from .config import Config, ConfigError, load_config
+from .config import TRAINABLE_PRECISIONS, Config, ConfigError, backend_cannot_run, load_config
 from .data import SyntheticCorpus
 from .plot import write_if_plotting, write_parity_plot
 from .results import environment, write_result
@@ -49,11 +51,28 @@ PERTURBED_SUFFIX = " (perturbed init {})"
 PERTURBATION = 2.0**-9  # relative: about one bf16 rounding (8 mantissa bits)
 
 
+BF16_BASELINE = "fused"  # what the runs in another precision are also compared with, in bf16
+
+
 @dataclasses.dataclass
 class Curve:
-    name: str  # the backend, or "<reference> (repeat)"
+    name: str  # the backend ("<backend>/<precision>" other than bf16), or "<reference> (perturbed init i)"
     losses: list[float]
     skipped: str | None = None
+    precision: str = "bf16"
+
+
+def run_name(backend: str, precision: str) -> str:
+    return backend if precision == "bf16" else f"{backend}/{precision}"
+
+
+def runs(backends: Sequence[str], precisions: Sequence[str], reference: str) -> list[tuple[str, str]]:
+    """(backend, precision) of every compared run: each backend at each precision, the reference in bf16
+    left out, and the BF16 fused run added when another precision needs it as its baseline."""
+    pairs = [(b, p) for p in precisions for b in backends if (b, p) != (reference, "bf16")]
+    if any(p != "bf16" for _, p in pairs) and (BF16_BASELINE, "bf16") not in pairs and reference != BF16_BASELINE:
+        pairs.insert(0, (BF16_BASELINE, "bf16"))
+    return pairs
 
 
 @torch.no_grad()
@@ -64,14 +83,17 @@ def perturb_weights(model: torch.nn.Module, seed: int) -> None:
         p.copy_(p.float() * (1 + PERTURBATION * noise))
 
 
-def train_curve(config: Config, name: str, backend: str, perturbation: int = 0) -> Curve:
+def train_curve(config: Config, name: str, backend: str, perturbation: int = 0, precision: str = "bf16") -> Curve:
     """perturbation i > 0: the initial weights are perturbed with draw i (seed + i)."""
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, backend=backend))
+    why = backend_cannot_run(backend, precision)
+    if why:
+        return Curve(name, [], skipped=why, precision=precision)
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, backend=backend, precision=precision))
     trainer = Trainer(config)
     if perturbation:
         perturb_weights(trainer.model, config.train.seed + perturbation)
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
-    curve = Curve(name, [])
+    curve = Curve(name, [], precision=precision)
     print(f"{name}: {config.train.steps} steps", file=sys.stderr, flush=True)
     try:
         while trainer.step < config.train.steps:
@@ -95,7 +117,7 @@ def compare(curve: Curve, reference: Curve) -> dict:
     steps = min(len(curve.losses), len(reference.losses))
     a, b = curve.losses[:steps], reference.losses[:steps]
     gaps = [abs(x - y) / abs(y) for x, y in zip(smooth(a), smooth(b))]
-    return {"backend": curve.name, "reference": reference.name, "steps": steps,
+    return {"backend": curve.name, "precision": curve.precision, "reference": reference.name, "steps": steps,
             "step1_rel_diff": abs(a[0] - b[0]) / abs(b[0]),
             "mean_smoothed_rel_gap": statistics.fmean(gaps), "max_smoothed_rel_gap": max(gaps),
             "max_abs_diff": max(abs(x - y) for x, y in zip(a, b)),
@@ -119,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_arguments(parser, DEFAULT_CONFIG)
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="compared with the reference (default: all)")
-    parser.add_argument("--reference", choices=BACKENDS, default="naive")
+    parser.add_argument("--reference", choices=BACKENDS, default="naive", help="runs in bf16 (default naive)")
+    parser.add_argument("--precision", nargs="+", choices=TRAINABLE_PRECISIONS, default=None,
+                        help="the compared runs' precision(s), a run each (default: the config's [moe].precision); "
+                             f"fp8 and fp8_bwd run on backend fused and are also compared with the BF16 "
+                             f"{BF16_BASELINE} run")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--noise-runs", type=int, default=NOISE_RUNS,
                         help=f"perturbed runs of the reference that measure the noise floor (default {NOISE_RUNS})")
@@ -131,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--noise-runs must be >= 1")
     try:
         config = load_config(args.config, DEFAULT_OVERRIDES + args.set + [f"train.steps={args.steps}"])
+        precisions = list(dict.fromkeys(args.precision or [config.moe.precision]))
         reference = train_curve(config, args.reference, args.reference)
         if reference.skipped:
             parser.exit(1, f"the reference backend {args.reference} could not run: {reference.skipped}\n")
@@ -139,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for curve in noise_curves:
             if curve.skipped:
                 parser.exit(1, f"{curve.name} could not run, so there is no noise floor: {curve.skipped}\n")
-        backends = [train_curve(config, b, b) for b in args.backends if b != args.reference]
+        backends = [train_curve(config, run_name(b, p), b, precision=p)
+                    for b, p in runs(args.backends, precisions, args.reference)]
     except ConfigError as error:
         parser.error(str(error))
     curves = [reference, *noise_curves, *backends]
@@ -147,9 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     noise_runs = [compare(c, reference) for c in noise_curves]
     noise = max(noise_runs, key=lambda n: n["mean_smoothed_rel_gap"])
     comparisons = [compare(c, reference) for c in backends if not c.skipped]
+    bf16_baseline = next((c for c in backends if c.name == BF16_BASELINE and not c.skipped), None)
+    if bf16_baseline is not None:  # (when fused is the reference, the comparisons above are these)
+        comparisons += [compare(c, bf16_baseline) for c in backends if c.precision != "bf16" and not c.skipped]
     for comparison in comparisons:
         judge(comparison, noise["mean_smoothed_rel_gap"], len(reference.losses))
     result = {**environment(resolve_device(config), "megamoe.train.parity", argv), "config": config.to_dict(),
+              "precisions": precisions,
               "criteria": {"step1_tolerance": STEP1_TOLERANCE, "floor_factor": FLOOR_FACTOR,
                            "min_tolerance": MIN_TOLERANCE, "smoothing": SMOOTHING, "perturbation": PERTURBATION},
               "noise_floor": noise, "noise_runs": noise_runs, "comparisons": comparisons,
