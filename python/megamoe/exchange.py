@@ -38,11 +38,8 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
 def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched: (e4m3 pool
     [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read); padding rows are 0."""
-    q, scales = fp8.quantize_rows(rows)  # scales [H / 128, T]
-    blocks = scales.shape[0]
-    # A token's scales travel as a row of their own, padded to 16 bytes.
-    token_scales = scales.new_zeros(rows.shape[0], -(-blocks // 4) * 4)
-    token_scales[:, :blocks] = scales.t()
+    q, token_scales = fp8.quantize_rows(rows, token_major=True)  # a token's scales: a 16-byte row of their own
+    blocks = rows.shape[1] // fp8.BLOCK
     return dispatch(plan, q), dispatch(plan, token_scales)[:, :blocks].t().contiguous()
 
 

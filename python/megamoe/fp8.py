@@ -1,6 +1,8 @@
-"""Block-FP8 quantisation of the DeepSeek-V3 recipe (torch ops): e4m3 values with one fp32 scale per
-row and 128 K values (activations) or per 128 x 128 block (weights), scale = amax / 448 so the
-block's largest magnitude maps to e4m3's largest finite value."""
+"""Block-FP8 quantisation of the DeepSeek-V3 recipe: e4m3 values with one fp32 scale per row and 128 K
+values (activations) or per 128 x 128 block (weights), scale = amax / 448 so the block's largest
+magnitude maps to e4m3's largest finite value (a block holding a NaN gets a NaN scale: it stays
+non-finite). Activation rows on a GPU go through the core's kernels (megamoe_quantize_rows_fp8), any
+other tensor through torch ops with the same results."""
 
 from __future__ import annotations
 
@@ -9,23 +11,42 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _native
+
 E4M3_MAX = 448.0
 BLOCK = 128
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    # An all-zero block gets scale 1 (its values quantise to 0 either way).
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # An all-zero block gets scale 1 (its values quantise to 0 either way); a NaN amax stays NaN.
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.where(amax.isnan(), amax, torch.ones_like(amax)))
 
 
-def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [rows, K] -> (e4m3 [rows, K], scales fp32 [K / 128, rows]: k-block major, as the GEMM reads them)."""
+def _on_core(a: torch.Tensor) -> bool:
+    return a.is_cuda and a.dtype == torch.bfloat16 and a.is_contiguous()
+
+
+def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [rows, K] -> (e4m3 [rows, K], scales fp32): [K / 128, rows], k-block major as the GEMMs read
+    them, or with token_major [rows, S], S = K / 128 rounded up to 4 (16-byte rows, which dispatch like
+    the values; the columns past K / 128 are padding)."""
     rows, k = a.shape
     if k % BLOCK:
         raise ValueError(f"K must be a multiple of {BLOCK} for 1x{BLOCK} scales, got {k}")
+    padded = -(-(k // BLOCK) // 4) * 4
+    if _on_core(a):
+        q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=a.device)
+        scales = torch.empty((rows, padded) if token_major else (k // BLOCK, rows), dtype=torch.float32,
+                             device=a.device)
+        _native.call("megamoe_quantize_rows_fp8", "quantize_rows",
+                     _native.QuantizeFp8Args(a.data_ptr(), q.data_ptr(), scales.data_ptr(), rows, k,
+                                             padded if token_major else 0), _native.stream(a.device))
+        return q, scales
     blocks = a.float().view(rows, k // BLOCK, BLOCK)
     scales = _scales(blocks.abs().amax(dim=2))
     q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(rows, k)
+    if token_major:
+        return q, torch.nn.functional.pad(scales, (0, padded - k // BLOCK))
     return q, scales.t().contiguous()
 
 
@@ -40,10 +61,16 @@ def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.contiguous()
 
 
-def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 values quantize_rows' output stands for."""
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values quantize_rows' output (k-block major scales) stands for, in fp32 or rounded to dtype."""
     rows, k = q.shape
-    return (q.float().view(rows, k // BLOCK, BLOCK) * scales.t().unsqueeze(2)).view(rows, k)
+    if q.is_cuda and dtype == torch.bfloat16 and q.is_contiguous() and scales.is_contiguous():
+        a = torch.empty(rows, k, dtype=dtype, device=q.device)
+        _native.call("megamoe_dequantize_rows_fp8", "dequantize_rows",
+                     _native.DequantizeFp8Args(q.data_ptr(), scales.data_ptr(), a.data_ptr(), rows, k),
+                     _native.stream(q.device))
+        return a
+    return (q.float().view(rows, k // BLOCK, BLOCK) * scales.t().unsqueeze(2)).view(rows, k).to(dtype)
 
 
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ class _Pool:
         """The pool of x in bf16 (dequantised in FP8)."""
         if self.x_scales is None:
             return self.x
-        return fp8.dequantize_rows(self.x, self.x_scales).to(torch.bfloat16)
+        return fp8.dequantize_rows(self.x, self.x_scales, torch.bfloat16)
 
     def z(self, w13: torch.Tensor) -> torch.Tensor:
         """[rows, 2I]: the gate | up pre-activations x·w13ᵀ, recomputed in the pool's precision."""

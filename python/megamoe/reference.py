@@ -50,6 +50,10 @@ def _fp8_blocks(w: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize_blocks(*fp8.quantize_blocks(w)).double()
 
 
+def _bf16(a: torch.Tensor) -> torch.Tensor:
+    return a.to(torch.bfloat16).double()
+
+
 def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: str = "swiglu",
                         precision: str = "bf16"):
     """(y, dx, d topk_weights, dw13, dw2) in fp64 for output gradient dy, route by route.
@@ -58,7 +62,9 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     quantises x per token and h per row (1 x 128), w13 and w2 per 128 x 128 block; "fp8" and
     "fp8_bwd" (bf16 forward): the data-gradient GEMMs quantise dy per token and dz per row (1 x 128)
     with the weights' blocks (dh = dy·w2, dx = dz·w13). dp = ⟨h, dh⟩ with h before its quantisation;
-    the weight gradients take unquantised dy, h and dz and the x the forward used."""
+    the weight gradients take unquantised dy, h and dz and the x the forward used. In the FP8
+    backward the tensors the kernels hold in bf16 are rounded to bf16 where they do: z (kept from the
+    forward) and dz (quantised from bf16)."""
     check_activation(activation)
     fp8_forward, fp8_backward = precision == "fp8", precision in ("fp8", "fp8_bwd")
     ids, p = topk_ids.long(), topk_weights.double()
@@ -77,16 +83,19 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
             continue
         pe = p[t, k].unsqueeze(1)
         z = xf[t] @ w13f[e].T
+        h = gated(z, activation)
+        y.index_add_(0, t, pe * ((_fp8_rows(h) if fp8_forward else h) @ w2f[e].T))
+        if fp8_backward:
+            z = _bf16(z)
         gate = z[:, :inter].detach().requires_grad_(True)
         act = gated(torch.cat([gate, torch.ones_like(gate)], dim=1), activation)  # act(gate)
         (act_grad,) = torch.autograd.grad(act.sum(), gate)
-        act, gate, up = act.detach(), gate.detach(), z[:, inter:]
+        act, up = act.detach(), z[:, inter:]
         h = act * up
-        y.index_add_(0, t, pe * ((_fp8_rows(h) if fp8_forward else h) @ w2f[e].T))
         dh = dyb[t] @ w2b[e]
         dp[t, k] = (h * dh).sum(dim=1)
         dz = torch.cat([pe * dh * up * act_grad, pe * dh * act], dim=1)
-        dx.index_add_(0, t, (_fp8_rows(dz) if fp8_backward else dz) @ w13b[e])
+        dx.index_add_(0, t, (_fp8_rows(_bf16(dz)) if fp8_backward else dz) @ w13b[e])
         dw2[e] = dyd[t].T @ (pe * h)
         dw13[e] = dz.T @ xf[t]
     return y, dx, dp, dw13, dw2

@@ -146,3 +146,23 @@ def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkey
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert fp8.quantized_weight(real) is not fp8.quantized_weight(real)
     assert fp8.cache_bytes() == 0
+
+
+@requires_cuda
+def test_row_quantization_kernel_equals_the_torch_ops():
+    """megamoe_quantize_rows_fp8 / _dequantize_rows_fp8 (bf16 rows on a GPU) against the torch ops that
+    quantise every other tensor: the same bits, a zero block, a NaN block and an inf block included."""
+    a = (torch.randn(300, 640) * torch.logspace(-3, 3, 300).unsqueeze(1)).to(torch.bfloat16)
+    a[5, :128] = 0
+    a[6, 200] = float("nan")
+    a[7, 300] = float("inf")
+    for token_major in (False, True):
+        q_gpu, s_gpu = fp8.quantize_rows(a.cuda(), token_major=token_major)
+        q_cpu, s_cpu = fp8.quantize_rows(a, token_major=token_major)
+        assert torch.equal(q_gpu.cpu().float().nan_to_num(7.0), q_cpu.float().nan_to_num(7.0))
+        blocks = a.shape[1] // fp8.BLOCK  # token-major rows have padding columns past these
+        s_gpu, s_cpu = (s[:, :blocks] if token_major else s for s in (s_gpu.cpu(), s_cpu))
+        assert torch.equal(s_gpu.nan_to_num(7.0), s_cpu.nan_to_num(7.0))
+    q, s = fp8.quantize_rows(a)
+    back = fp8.dequantize_rows(q.cuda(), s.cuda(), torch.bfloat16).cpu()
+    assert torch.equal(back.nan_to_num(7.0), fp8.dequantize_rows(q, s, torch.bfloat16).nan_to_num(7.0))

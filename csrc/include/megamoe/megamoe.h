@@ -210,6 +210,33 @@ typedef struct {
 int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gemm_fp8_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
+// Block-FP8 quantisation of bf16 rows (the activations' 1 x 128 recipe): per row and 128 columns,
+// scale = amax / 448 (1 for an all-zero block, NaN for a block holding a NaN), q = a / scale in
+// e4m3 (nearest even, saturating). scales: k-block major [k / 128, rows] (scales_ld = 0: the layout
+// the FP8 GEMMs read) or row major [rows, scales_ld] (scales_ld >= k / 128; columns past k / 128
+// untouched). Dequantisation: a = q · scale rounded to bf16, scales k-block major.
+// ---------------------------------------------------------------------------------------------
+typedef struct {
+  const void* a;      // [rows, k] bf16, 8-byte aligned
+  void* q;            // [rows, k] e4m3, 4-byte aligned
+  float* scales;
+  int64_t rows;
+  int32_t k;          // a multiple of 128
+  int32_t scales_ld;  // 0: [k / 128, rows]; else [rows, scales_ld]
+} megamoe_quantize_fp8_args;
+
+typedef struct {
+  const void* q;        // [rows, k] e4m3
+  const float* scales;  // [k / 128, rows]
+  void* a;              // [rows, k] bf16
+  int64_t rows;
+  int32_t k;            // a multiple of 128
+} megamoe_dequantize_fp8_args;
+
+int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* stream);
+int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream);
+
+// ---------------------------------------------------------------------------------------------
 // Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_ACTIVATION_SWIGLU 0  // act = silu(g) = g / (1 + exp(-g))

@@ -1,0 +1,123 @@
+// Block-FP8 quantisation of activation rows (DeepSeek-V3 recipe, as megamoe.fp8.quantize_rows): per
+// row and 128 columns, scale = amax / 448 (1 for an all-zero block; NaN when the block holds a NaN,
+// so the block stays non-finite), q = value / scale rounded to e4m3 (nearest even, saturating).
+// One warp per (row, 128-column block), 4 columns per lane: one 8-byte load, one 4-byte store.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int kBlock = 128;
+constexpr int kWarpsPerCta = 8;
+constexpr float kE4m3Max = 448.0f;
+
+struct Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+quantize_rows(const Bf16x4* __restrict__ a, uint32_t* __restrict__ q, float* __restrict__ scales, int64_t rows,
+              int32_t blocks, int32_t scales_ld) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  for (int64_t w = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; w < rows * blocks; w += warps) {
+    const int64_t row = w / blocks;
+    const int block = int(w % blocks);
+    const int64_t i = w * 32 + lane;  // 4-element group of the row-major matrix
+    const Bf16x4 v = a[i];
+    const float2 lo = __bfloat1622float2(v.lo), hi = __bfloat1622float2(v.hi);
+    const float x[4] = {lo.x, lo.y, hi.x, hi.y};
+    float amax = 0.f;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      amax = fmaxf(amax, fabsf(x[j]));
+      nan |= x[j] != x[j];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = __any_sync(0xffffffffu, nan) ? __int_as_float(0x7fffffff)
+                                                     : (amax > 0.f ? amax / kE4m3Max : 1.f);
+    const __nv_fp8x2_storage_t q_lo = __nv_cvt_float2_to_fp8x2(make_float2(x[0] / scale, x[1] / scale),
+                                                               __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t q_hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2] / scale, x[3] / scale),
+                                                               __NV_SATFINITE, __NV_E4M3);
+    q[i] = uint32_t(q_lo) | (uint32_t(q_hi) << 16);
+    if (lane == 0) scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = scale;
+  }
+}
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+dequantize_rows(const uint32_t* __restrict__ q, const float* __restrict__ scales, Bf16x4* __restrict__ a,
+                int64_t rows, int32_t blocks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  for (int64_t w = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; w < rows * blocks; w += warps) {
+    const int64_t i = w * 32 + lane;
+    const float scale = scales[int64_t(w % blocks) * rows + w / blocks];
+    const uint32_t packed = q[i];
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(packed & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(packed >> 16), __NV_E4M3);
+    const float2 l = __half22float2(__half2(lo)), h = __half22float2(__half2(hi));
+    a[i] = {__floats2bfloat162_rn(l.x * scale, l.y * scale), __floats2bfloat162_rn(h.x * scale, h.y * scale)};
+  }
+}
+
+int row_blocks(const std::string& fn, const void* a, const void* q, const float* scales, int64_t rows, int32_t k,
+               int* grid) {
+  if (a == nullptr || q == nullptr || scales == nullptr) return invalid_argument(fn + "null pointer");
+  if (rows < 0 || k <= 0 || k % kBlock != 0) {
+    return invalid_argument(fn + "need rows >= 0 and k a positive multiple of 128, got rows " + std::to_string(rows) +
+                            ", k " + std::to_string(k));
+  }
+  if (reinterpret_cast<uintptr_t>(a) % 8 || reinterpret_cast<uintptr_t>(q) % 4) {
+    return invalid_argument(fn + "the bf16 rows must be 8-byte and the e4m3 rows 4-byte aligned");
+  }
+  int device = 0, sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  *grid = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * 16, (rows * (k / kBlock) + kWarpsPerCta - 1) /
+                                                                             kWarpsPerCta)));
+  return MEGAMOE_OK;
+}
+
+}  // namespace
+}  // namespace megamoe
+
+extern "C" int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_quantize_rows_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_quantize_fp8_args& a = *args;
+  if (a.scales_ld != 0 && a.scales_ld < a.k / kBlock) {
+    return invalid_argument(fn + "scales_ld must be 0 (k-block major) or at least k / 128, got " +
+                            std::to_string(a.scales_ld));
+  }
+  if (a.rows == 0) return MEGAMOE_OK;
+  int grid = 0;
+  MEGAMOE_RETURN_IF_ERROR(row_blocks(fn, a.a, a.q, a.scales, a.rows, a.k, &grid));
+  quantize_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const Bf16x4*>(a.a), static_cast<uint32_t*>(a.q), a.scales, a.rows, a.k / kBlock, a.scales_ld);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
+
+extern "C" int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_dequantize_rows_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_dequantize_fp8_args& a = *args;
+  if (a.rows == 0) return MEGAMOE_OK;
+  int grid = 0;
+  MEGAMOE_RETURN_IF_ERROR(row_blocks(fn, a.a, a.q, a.scales, a.rows, a.k, &grid));
+  dequantize_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint32_t*>(a.q), a.scales, static_cast<Bf16x4*>(a.a), a.rows, a.k / kBlock);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
