@@ -1,21 +1,103 @@
-"""Drop-in for transformers' Qwen3-MoE models: their experts run through `megamoe.moe`.
+"""Drop-in for transformers' MoE models: their experts run through `megamoe.moe`.
 
 transformers 5 dispatches every experts module's forward through a registry
-(`ALL_EXPERTS_FUNCTIONS`, selected by `config._experts_implementation`). Registering a megamoe entry
-and selecting it is the least invasive patch: the router, the router logits the model records for
-its aux loss, and the parameters (used in place) stay the model's own.
+(`ALL_EXPERTS_FUNCTIONS`, selected by `config._experts_implementation`) when its class carries the
+`use_experts_implementation` decorator. Registering a megamoe entry and selecting it is the least
+invasive patch: the router, the router logits the model records for its aux loss, shared experts and
+the parameters (used in place) stay the model's own.
+
+Experts modules are found by the decorator's flags, not by class name: every module with `has_gate`,
+`is_concatenated`, `is_transposed` and `has_bias` is a candidate (Qwen2/3-MoE, Mixtral, OLMoE,
+DeepSeek-V2/V3, GLM-4-MoE, ... in transformers 5), and megamoe serves those in its own layout
+(docs/DESIGN.md): gate_up_proj [E, 2I, H] with gate rows then up rows, down_proj [E, H, I], no biases,
+transformers' default gate act(gate) * up with an activation megamoe computes. The others keep their
+own implementation and are named in one warning.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
+import torch
 from torch import nn
 
 from .functional import moe
-from .validation import BACKENDS, check_precision, check_recompute
+from .validation import BACKENDS, FLOAT_DTYPES, check_precision, check_recompute
 
-# The layout megamoe.moe takes (docs/DESIGN.md), as flags of transformers' `use_experts_implementation`:
-# w13 = gate_up_proj [E, 2I, H] with gate rows then up rows, w2 = down_proj [E, H, I], no biases.
+# The decorator's flags that mark an experts module, with the values of megamoe's layout.
 _EXPECTED_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
+# Flags of later transformers versions (absent means False); a True one changes the computation.
+_UNSUPPORTED_FLAGS = {"has_post_expert_norm": "a norm after each expert", "_is_expert_parallel": "transformers' own "
+                      "expert parallelism (ids of other ranks' experts)"}
+# transformers' activation names (ACT2CLS) -> megamoe's gated activation (megamoe.activation.ACTIVATIONS).
+HF_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+_STATE = "_megamoe_activation"  # on a served experts module: the activation megamoe computes it with
+_FALLBACK = "_megamoe_fallback"  # on every candidate: the experts implementation it had before megamoe
+
+
+def _require_transformers():
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError as error:
+        raise ImportError("megamoe.patch_hf_model needs transformers >= 5 (pip install 'megamoe[hf]')") from error
+    return hf_moe
+
+
+def experts_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str]], list[tuple[str, nn.Module, str]]]:
+    """The experts modules of `model` (those of transformers' `use_experts_implementation`).
+
+    Returns (served, refused): served as (name, module, megamoe activation) for the modules megamoe
+    computes, refused as (name, module, reason) for the others.
+    """
+    _require_transformers()
+    served, refused = [], []
+    for name, module in model.named_modules():
+        if not all(hasattr(module, flag) for flag in _EXPECTED_FLAGS):
+            continue
+        reason = _unsupported(module)
+        if reason is None:
+            served.append((name, module, _activation(module)))
+        else:
+            refused.append((name or type(module).__name__, module, reason))
+    return served, refused
+
+
+def _unsupported(experts: nn.Module) -> str | None:
+    """Why megamoe cannot compute `experts` (None when it can)."""
+    for flag, expected in _EXPECTED_FLAGS.items():
+        if getattr(experts, flag) != expected:
+            return f"{flag}={getattr(experts, flag)} (megamoe needs {flag}={expected})"
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if getattr(experts, flag, False):
+            return f"{flag}=True: {what}"
+    if getattr(type(experts), "_apply_gate", None) is not _require_transformers()._default_apply_gate:
+        return f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
+        return "no 3-D gate_up_proj and down_proj"
+    if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
+        return f"{gate_up.dtype} / {down.dtype} weights (e.g. a quantized checkpoint's); megamoe takes one float dtype"
+    num_experts, hidden, intermediate = down.shape
+    if tuple(gate_up.shape) != (num_experts, 2 * intermediate, hidden):
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                "[E, 2I, H] and [E, H, I]")
+    if _activation(experts) is None:
+        config_act = getattr(getattr(experts, "config", None), "hidden_act", None)
+        return (f"activation {type(getattr(experts, 'act_fn', None)).__name__} (hidden_act={config_act!r}); megamoe "
+                f"computes {', '.join(f'{k}->{v}' for k, v in HF_ACTIVATIONS.items())}")
+    return None
+
+
+def _activation(experts: nn.Module) -> str | None:
+    """megamoe's name for the activation of `experts.act_fn`, matched by class against ACT2FN's."""
+    from transformers.activations import ACT2FN
+
+    act_fn = getattr(experts, "act_fn", None)
+    for name, activation in HF_ACTIVATIONS.items():
+        if type(act_fn) is type(ACT2FN[name]):
+            return activation
+    return None
 
 
 def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:
@@ -23,71 +105,102 @@ def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:
 
     Raises TypeError for models without them and ValueError for an unexpected layout.
     """
-    try:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    except ImportError as error:
-        raise ImportError("megamoe.patch_hf_model needs transformers >= 5 (pip install 'megamoe[hf]')") from error
+    _require_transformers()
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, Qwen3MoeExperts)]
     if not found:
-        raise TypeError(f"megamoe.patch_hf_model supports transformers' Qwen3-MoE models (Qwen3MoeForCausalLM "
-                        f"and its relatives); {type(model).__name__} has no Qwen3MoeExperts module")
+        raise TypeError(f"{type(model).__name__} has no Qwen3MoeExperts module (transformers' Qwen3-MoE experts)")
     for name, experts in found:
-        _check_layout(name, experts)
+        reason = _unsupported(experts)
+        if reason is not None:
+            raise ValueError(f"{name}: {reason}; this Qwen3-MoE's experts are not in the layout megamoe computes")
     return [experts for _, experts in found]
-
-
-def _check_layout(name: str, experts: nn.Module) -> None:
-    for flag, expected in _EXPECTED_FLAGS.items():
-        if getattr(experts, flag, None) != expected:
-            got = getattr(experts, flag, "missing")
-            raise ValueError(f"{name}: expected {flag}={expected} (gate_up_proj [E, 2I, H] with gate rows then "
-                             f"up rows, down_proj [E, H, I], no bias), got {got}; this transformers version's "
-                             "Qwen3-MoE layout is not the one megamoe computes")
-    activation = getattr(experts.config, "hidden_act", None)
-    if activation != "silu":
-        raise ValueError(f"{name}: megamoe computes SwiGLU experts (hidden_act='silu'), got {activation!r}")
-    num_experts, hidden, intermediate = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
-    shapes = {"gate_up_proj": (num_experts, 2 * intermediate, hidden),
-              "down_proj": (num_experts, hidden, intermediate)}
-    for weight, shape in shapes.items():
-        got = tuple(getattr(experts, weight).shape)
-        if got != shape:
-            raise ValueError(f"{name}.{weight}: expected shape {shape} (E, ...), got {got}")
 
 
 def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "bf16",
                    recompute: bool = False) -> nn.Module:
-    """Makes transformers' Qwen3-MoE `model` run its experts through `megamoe.moe(backend, precision)`.
+    """Makes transformers MoE `model` run its experts through `megamoe.moe(backend, precision)`.
+
+    Serves every experts module of transformers' `use_experts_implementation` in megamoe's layout
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, hidden_act silu -> "swiglu",
+    gelu_pytorch_tanh / gelu_new -> "geglu"): Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, ....
+    Experts modules in another layout keep their own implementation, listed in one warning; a model
+    with none megamoe can serve raises TypeError.
 
     recompute (fused only): the experts keep only their inputs for the backward (activation
     checkpointing of the experts by the fused op itself, see `megamoe.moe`).
 
     The experts' own `gate_up_proj` / `down_proj` are used in place (no copies); the model keeps
-    computing its router logits and aux loss itself. Patching again switches the backend. Returns model.
+    computing its router logits, aux loss and shared experts itself. Patching again switches the
+    backend. Returns model.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_recompute(backend, recompute)
-    experts = qwen3_moe_experts(model)
+    served, refused = experts_modules(model)
+    if not served:
+        why = "".join(f"; {name}: {reason}" for name, _, reason in refused) or "; it has no experts module"
+        raise TypeError(f"megamoe.patch_hf_model serves transformers MoE models whose experts have megamoe's layout "
+                        f"(Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...); {type(model).__name__} has none{why}")
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")
-    check_precision(precision, experts[0].gate_up_proj.device)
+    check_precision(precision, served[0][1].gate_up_proj.device)
     implementation = _register(backend, precision, recompute)
+    for _, experts, _ in served + refused:  # what a module megamoe leaves alone keeps running
+        if _FALLBACK not in vars(experts):
+            current = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+            setattr(experts, _FALLBACK, "eager" if current is None or current.startswith("megamoe_") else current)
+        vars(experts).pop(_STATE, None)
+    for _, experts, activation in served:
+        setattr(experts, _STATE, activation)
     model.set_experts_implementation(implementation)
-    unpatched = [e for e in experts if e.config._experts_implementation != implementation]
+    unpatched = [name for name, e, _ in served if e.config._experts_implementation != implementation]
     if unpatched:  # e.g. an experts module whose config is not the model's
-        raise RuntimeError(f"{len(unpatched)} of {len(experts)} experts modules did not switch to "
-                           f"{implementation!r}")
+        raise RuntimeError(f"{len(unpatched)} of {len(served)} experts modules did not switch to "
+                           f"{implementation!r}: {', '.join(unpatched)}")
+    if refused:
+        warnings.warn(_refused_message(refused, type(model).__name__), stacklevel=2)
     return model
 
 
+def _refused_message(refused: list[tuple[str, nn.Module, str]], model_name: str) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for name, _, reason in refused:
+        by_reason.setdefault(reason, []).append(name)
+    lines = "".join(f"\n  {', '.join(names)}: {reason}" for reason, names in by_reason.items())
+    return (f"megamoe.patch_hf_model left {len(refused)} experts module(s) of {model_name} on their own "
+            f"implementation:{lines}")
+
+
 def _register(backend: str, precision: str, recompute: bool) -> str:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    hf_moe = _require_transformers()
 
     def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        activation = vars(experts).get(_STATE)
+        if activation is None:  # a module patch_hf_model left alone (it shares the model's config)
+            interface, original = _dispatch_of(type(experts), hf_moe)
+            fallback = interface.get_interface(vars(experts).get(_FALLBACK, "eager"), original)
+            return fallback(experts, hidden_states, top_k_index, top_k_weights)
         return moe(hidden_states.contiguous(), top_k_index, top_k_weights, experts.gate_up_proj,
-                   experts.down_proj, backend=backend, precision=precision, recompute=recompute)
+                   experts.down_proj, backend=backend, precision=precision, recompute=recompute,
+                   activation=activation)
 
     implementation = f"megamoe_{backend}_{precision}" + ("_recompute" if recompute else "")
-    ALL_EXPERTS_FUNCTIONS.register(implementation, experts_forward)
+    # Experts classes may dispatch through a subclass of the registry with a mapping of its own (e.g.
+    # transformers' FP8 experts): every module of a switched config must find the entry.
+    interfaces, pending = [], [hf_moe.ExpertsInterface]
+    while pending:
+        interfaces.append(pending.pop())
+        pending.extend(interfaces[-1].__subclasses__())
+    for interface in interfaces:
+        interface.register(implementation, experts_forward)
     return implementation
+
+
+def _dispatch_of(experts_class: type, hf_moe) -> tuple:
+    """(the registry, the class's own forward) that `use_experts_implementation`'s forward closes over."""
+    forward = experts_class.forward
+    captured = inspect.getclosurevars(forward).nonlocals
+    return (captured.get("experts_interface", hf_moe.ALL_EXPERTS_FUNCTIONS),
+            captured.get("original_forward", getattr(forward, "__wrapped__", forward)))

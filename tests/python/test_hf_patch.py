@@ -1,12 +1,17 @@
-"""patch_hf_model against transformers' own, unpatched Qwen3-MoE: same logits, loss and gradients."""
+"""patch_hf_model against transformers' own, unpatched MoE models: same logits, loss, gradients and
+loss curve, for every model family it serves; the experts modules it cannot serve are left alone."""
 
 import copy
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import megamoe
 from megamoe.reference import relative_error
+
+from conftest import requires_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,12 +63,229 @@ def test_patched_model_matches_unpatched(backend, dtype):
         assert relative_error(got_grads[name], grad) < tolerance, name
 
 
+# Tiny random configs of each model family patch_hf_model serves. H = I = 128 (multiples of 128, so
+# the fused kernels take them on a GPU), 8 experts, top-2; "moe_layer" names one MoE layer's experts.
+COMMON = dict(vocab_size=128, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+MODELS = {
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(  # a shared expert with a sigmoid gate
+        intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=8,
+        num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        intermediate_size=256, moe_intermediate_size=128, head_dim=32, num_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe_geglu": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        intermediate_size=256, moe_intermediate_size=128, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        hidden_act="gelu_pytorch_tanh")),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(
+        intermediate_size=128, num_experts=8, num_experts_per_tok=2, eos_token_id=2)),
+    # A dense first layer, then MoE layers with a shared expert, group-limited routing and
+    # routed_scaling_factor; multi-head latent attention.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+}
+DENSE_LAYERS = {"deepseek_v3": 1}  # layers before the first MoE layer
+# Models whose output carries the router's aux loss (DeepSeek-V3 balances without one).
+AUX_LOSS = {"qwen2_moe", "qwen3_moe", "qwen3_moe_geglu", "mixtral", "olmoe"}
+ACTIVATION = {"qwen3_moe_geglu": "geglu"}
+
+# (backend, device) pairs: the baselines on the CPU, the fused kernels on a GPU (bf16 only).
+BACKEND_DEVICES = [("naive", "cpu"), ("grouped", "cpu"), pytest.param("fused", "cuda", marks=requires_cuda)]
+
+
+def family_model(family, dtype=torch.float32, moe_layers=2, device="cpu"):
+    model_class, config_class, sizes = MODELS[family]
+    if not hasattr(transformers, model_class):
+        pytest.skip(f"this transformers has no {model_class}")
+    config = getattr(transformers, config_class)(
+        **COMMON, **sizes, num_hidden_layers=DENSE_LAYERS.get(family, 0) + moe_layers)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(device=device, dtype=dtype)
+    # The reference: transformers' own per-expert loop, independent of any grouped GEMM.
+    model.set_experts_implementation("eager")
+    return model
+
+
+def family_step(model, family, input_ids):
+    """One forward and backward: (loss, logits, aux loss or None, {parameter: gradient})."""
+    model.zero_grad()
+    router_logits = {"output_router_logits": True} if family in AUX_LOSS else {}
+    out = model(input_ids=input_ids, labels=input_ids, use_cache=False, **router_logits)
+    out.loss.backward()
+    return out.loss, out.logits, getattr(out, "aux_loss", None), {n: p.grad for n, p in model.named_parameters()}
+
+
+def family_cases(test):
+    """Runs `test(family, backend, device, dtype)` for every family, backend and dtype."""
+    for mark in (pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"]),
+                 pytest.mark.parametrize("backend,device", BACKEND_DEVICES),
+                 pytest.mark.parametrize("family", MODELS)):
+        test = mark(test)
+    return test
+
+
+def unpatched_and_patched(family, backend, device, dtype):
+    if backend == "fused" and dtype != torch.bfloat16:
+        pytest.skip("the fused kernels take bf16")
+    model = family_model(family, dtype, LAYERS[dtype], device)
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every experts module is served: no warning
+        megamoe.patch_hf_model(patched, backend=backend)
+    return model, patched
+
+
+@family_cases
+def test_model_family_matches_unpatched(family, backend, device, dtype):
+    model, patched = unpatched_and_patched(family, backend, device, dtype)
+    served, refused = megamoe.hf.experts_modules(patched)
+    assert len(served) == LAYERS[dtype] and not refused
+    assert {activation for _, _, activation in served} == {ACTIVATION.get(family, "swiglu")}
+    assert_same_step(model, patched, family, TOLERANCE[dtype], device)
+
+
+def assert_same_step(model, patched, family, tolerance, device="cpu"):
+    """Same loss, logits, aux loss and gradients of every parameter (routers, shared experts and
+    their gates included) from `model` and `patched` on one batch."""
+    input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    want_loss, want_logits, want_aux, want_grads = family_step(model, family, input_ids)
+    got_loss, got_logits, got_aux, got_grads = family_step(patched, family, input_ids)
+    assert relative_error(got_logits, want_logits) < tolerance
+    assert got_loss.item() == pytest.approx(want_loss.item(), rel=tolerance)
+    assert (got_aux is None) == (want_aux is None) == (family not in AUX_LOSS)
+    if want_aux is not None:
+        assert relative_error(got_aux, want_aux) < tolerance
+    for name, grad in want_grads.items():
+        assert grad is not None and got_grads[name] is not None, name
+        assert relative_error(got_grads[name], grad) < tolerance, name
+
+
+# Loss curves: 5 AdamW steps on one fixed batch. fp32 differs in summation order only; in bf16 the
+# weights differ by roundings after the first step, which the routers may amplify (see LAYERS).
+CURVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@family_cases
+def test_model_family_loss_curve_matches_unpatched(family, backend, device, dtype):
+    model, patched = unpatched_and_patched(family, backend, device, dtype)
+    input_ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2)).to(device)
+    curves = []
+    for each in (model, patched):
+        optimizer = torch.optim.AdamW(each.parameters(), lr=1e-3, weight_decay=0.1)
+        curve = []
+        for _ in range(5):
+            loss = family_step(each, family, input_ids)[0]
+            optimizer.step()
+            curve.append(loss.item())
+        curves.append(curve)
+    want, got = curves
+    assert want[-1] < want[0] - 0.05  # it trains
+    assert got == pytest.approx(want, rel=CURVE_TOLERANCE[dtype])
+
+
+def test_activations_map_from_hidden_act(monkeypatch):
+    for hidden_act, activation in [("silu", "swiglu"), ("swish", "swiglu"), ("gelu_pytorch_tanh", "geglu"),
+                                   ("gelu_new", "geglu")]:
+        model = megamoe.patch_hf_model(transformers.Qwen3MoeForCausalLM(tiny_config(hidden_act=hidden_act)),
+                                       backend="naive")
+        calls = []
+        monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs["activation"]) or args[0])
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+        assert calls == [activation] * 2, hidden_act
+        monkeypatch.undo()
+
+
+def test_unsupported_experts_module_is_left_alone_with_one_warning():
+    from transformers.activations import ACT2FN
+
+    model = family_model("mixtral", moe_layers=3)
+    for layer in (1, 2):  # exact GELU: no megamoe activation
+        model.model.layers[layer].mlp.experts.act_fn = ACT2FN["gelu"]
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        megamoe.patch_hf_model(patched, backend="grouped")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "model.layers.1.mlp.experts, model.layers.2.mlp.experts: activation GELUActivation" in message
+    assert "layers.0" not in message
+    served, refused = megamoe.hf.experts_modules(patched)
+    assert [name for name, _, _ in served] == ["model.layers.0.mlp.experts"]
+    assert [name for name, _, _ in refused] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    # The refused layers keep running transformers' implementation (eager here), the served one megamoe's.
+    assert_same_step(model, patched, "mixtral", TOLERANCE[torch.float32])
+
+
+def test_refused_module_of_another_registry_keeps_its_forward():
+    """A refused experts class that dispatches through its own registry (as transformers' FP8 experts
+    do) still finds the switched implementation's name, and runs its own forward."""
+    from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
+
+    class OwnInterface(ExpertsInterface):
+        _global_mapping = {}
+
+    @use_experts_implementation(experts_interface=OwnInterface(), has_bias=True)
+    class BiasedExperts(nn.Module):
+        def __init__(self, config, experts):
+            super().__init__()
+            self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+            self.gate_up_proj_bias = nn.Parameter(0.1 * torch.randn(self.gate_up_proj.shape[:2]))
+            self.down_proj_bias = nn.Parameter(0.1 * torch.randn(self.down_proj.shape[:2]))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for k in range(top_k_index.shape[1]):
+                ids = top_k_index[:, k]
+                gate, up = (torch.einsum("th,tnh->tn", hidden_states, self.gate_up_proj[ids])
+                            + self.gate_up_proj_bias[ids]).chunk(2, dim=-1)
+                y = torch.einsum("ti,thi->th", self.act_fn(gate) * up, self.down_proj[ids]) + self.down_proj_bias[ids]
+                out = out + top_k_weights[:, k, None] * y
+            return out
+
+    model = family_model("mixtral")
+    mlp = model.model.layers[1].mlp
+    mlp.experts = BiasedExperts(model.config, mlp.experts)
+    patched = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"model\.layers\.1\.mlp\.experts: has_bias=True"):
+        megamoe.patch_hf_model(patched, backend="grouped")
+    assert_same_step(model, patched, "mixtral", TOLERANCE[torch.float32])
+
+
+def test_experts_found_by_the_decorator_flags_not_the_class():
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(nn.Module):  # e.g. a custom model's experts, layout as transformers' standard one
+        def __init__(self, config):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 2 * 16, 8))
+            self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))
+            self.act_fn = nn.SiLU()
+
+    config = transformers.PretrainedConfig()
+    standard = use_experts_implementation(Experts)(config)
+    biased = use_experts_implementation(has_bias=True)(type("BiasedExperts", (Experts,), {}))(config)
+    ungated = use_experts_implementation(has_gate=False)(type("UpExperts", (Experts,), {}))(config)
+    skewed = use_experts_implementation(type("SkewedExperts", (Experts,), {}))(config)
+    skewed.down_proj = nn.Parameter(torch.zeros(4, 8, 32))
+    model = nn.ModuleDict(dict(standard=standard, biased=biased, ungated=ungated, skewed=skewed, plain=nn.Linear(2, 2)))
+    served, refused = megamoe.hf.experts_modules(model)
+    assert [(name, activation) for name, _, activation in served] == [("standard", "swiglu")]
+    assert {name: reason for name, _, reason in refused} == {
+        "biased": "has_bias=True (megamoe needs has_bias=False)",
+        "ungated": "has_gate=False (megamoe needs has_gate=True)",
+        "skewed": "gate_up_proj (4, 32, 8) and down_proj (4, 8, 32) are not [E, 2I, H] and [E, H, I]"}
+
+
 def test_patch_runs_the_megamoe_backend(monkeypatch):
     model = megamoe.patch_hf_model(tiny_model(), backend="naive")
     calls = []
     monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    assert calls == [{"backend": "naive", "precision": "bf16", "recompute": False}] * 2  # one per MoE layer
+    want = {"backend": "naive", "precision": "bf16", "recompute": False, "activation": "swiglu"}
+    assert calls == [want] * 2  # one per MoE layer
 
 
 def test_patch_with_recompute_asks_the_fused_op_for_it(monkeypatch):
@@ -72,7 +294,7 @@ def test_patch_with_recompute_asks_the_fused_op_for_it(monkeypatch):
     calls = []
     monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True}] * 2
+    assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True, "activation": "swiglu"}] * 2
     with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
         megamoe.patch_hf_model(model, backend="grouped", recompute=True)
 
@@ -92,17 +314,40 @@ def test_fused_patch_on_the_cpu_raises_megamoe_error():
 def test_unknown_model_raises():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(TypeError, match="Qwen3-MoE.*LlamaForCausalLM"):
+    with pytest.raises(TypeError, match="Qwen2/3-MoE.*LlamaForCausalLM has none; it has no experts module"):
         megamoe.patch_hf_model(llama, backend="naive")
 
 
-def test_unexpected_layout_raises():
+def test_unexpected_layout_warns_and_is_left_alone():
     model = tiny_model()
     model.model.layers[1].mlp.experts.is_transposed = True
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts.*is_transposed"):
+    with pytest.warns(UserWarning, match=r"left 1 experts module.*\n  model\.layers\.1\.mlp\.experts: "
+                                         r"is_transposed=True \(megamoe needs is_transposed=False\)"):
         megamoe.patch_hf_model(model, backend="naive")
-    with pytest.raises(ValueError, match="SwiGLU"):
+    assert "_megamoe_activation" in vars(model.model.layers[0].mlp.experts)
+    assert "_megamoe_activation" not in vars(model.model.layers[1].mlp.experts)
+
+
+def test_model_with_nothing_to_serve_raises():
+    with pytest.raises(TypeError, match=r"Qwen3MoeForCausalLM has none; model\.layers\.0\.mlp\.experts: activation "
+                                        r"GELUActivation \(hidden_act='gelu'\)"):
         megamoe.patch_hf_model(transformers.Qwen3MoeForCausalLM(tiny_config(hidden_act="gelu")), backend="naive")
+    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(TypeError, match=r"GptOssForCausalLM has none; model\.layers\.0\.mlp\.experts: "
+                                        "is_concatenated=False"):
+        megamoe.patch_hf_model(gpt_oss, backend="naive")
+
+
+def test_qwen3_moe_experts():
+    model = tiny_model()
+    assert megamoe.hf.qwen3_moe_experts(model) == [layer.mlp.experts for layer in model.model.layers]
+    model.model.layers[1].mlp.experts.is_transposed = True
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts: is_transposed=True"):
+        megamoe.hf.qwen3_moe_experts(model)
+    with pytest.raises(TypeError, match="MixtralForCausalLM has no Qwen3MoeExperts"):
+        megamoe.hf.qwen3_moe_experts(family_model("mixtral"))
 
 
 def test_bad_backend_or_precision_raises():
