@@ -86,7 +86,8 @@ WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool"
                          ("m", _i32), ("n", _i32), ("output", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
-           GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs,
+           GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs,
+           ScatterGemmFp8Args, GatedBackwardArgs,
            GatedBackwardFp8Args, DpReduceArgs, WeightGradArgs)
 
 
@@ -157,6 +158,11 @@ def library() -> ctypes.CDLL:
         f"megamoe's native library ({_LIBRARY_NAME}) was not found (searched: {searched}). "
         "Install the package with `pip install .`, or build it with `cmake -S . -B build && "
         "cmake --build build`, or point MEGAMOE_LIBRARY at the .so.")
+
+
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's device address for a pointer field of the C API, or None (null) for no tensor."""
+    return None if t is None else t.data_ptr()
 
 
 def stream(device: torch.device) -> int:

@@ -22,15 +22,15 @@ from .routing import RoutingPlan
 
 def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
     """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes):
-    each live pool row holds its route's token row; padding rows are zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's
-    route weight, 0 on padding rows."""
+    each live pool row holds its route's token row; padding rows are zero. With weights [T, K],
+    (pool, p [pool rows] fp32): also each live row's route weight, 0 on padding rows."""
     pool = rows.new_empty(plan.slot_to_route.numel(), rows.shape[1])
     weights_pool = None
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
         weights_pool = torch.empty(pool.shape[0], dtype=torch.float32, device=pool.device)
-    args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _pointer(weights), _pointer(weights_pool),
-                                _row_bytes(rows))
+    args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _native.address(weights),
+                                _native.address(weights_pool), _row_bytes(rows))
     _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
     return pool if weights is None else (pool, weights_pool)
 
@@ -59,10 +59,6 @@ def _row_bytes(rows: torch.Tensor) -> int:
     return rows.shape[1] * rows.element_size()
 
 
-def _pointer(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
 def pointer_table(buffers):
     """A host array of device pointers (of tensors, or addresses): the peer tables the pull kernels take."""
     return (ctypes.c_void_p * len(buffers))(*(b if isinstance(b, int) else b.data_ptr() for b in buffers))
@@ -78,7 +74,7 @@ def pull_rows(plan: RoutingPlan, rows_table, route_offsets, like: torch.Tensor, 
     args = _native.DispatchPeersArgs(ctypes.cast(rows_table, ctypes.c_void_p), ctypes.cast(route_offsets,
                                      ctypes.c_void_p), None if weights_table is None else
                                      ctypes.cast(weights_table, ctypes.c_void_p), pool.data_ptr(),
-                                     _pointer(weights_pool), len(route_offsets) - 1, _row_bytes(like))
+                                     _native.address(weights_pool), len(route_offsets) - 1, _row_bytes(like))
     _native.call("megamoe_dispatch_peers_bf16", "expert-parallel dispatch", plan.native(), args,
                  _native.stream(like.device))
     return pool if weights_table is None else (pool, weights_pool)

@@ -69,18 +69,15 @@ class _Pool:
         w13_fp8 = fp8.quantized_weight(w13)
         return grouped_gemm_fp8(self.x, self.x_scales, w13_fp8.q, w13_fp8.scales, self.plan)
 
-    def combine(self, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return combine(self.plan, routed, weights)
-
-    def routed(self, like: torch.Tensor, hidden: int) -> torch.Tensor:
-        """[T·K, H]: one row per (token, k) route, written by the scatter GEMMs."""
-        return like.new_empty(self.num_tokens * self.top_k, hidden)
+    def routed(self, hidden: int) -> torch.Tensor:
+        """[T·K, H] bf16: one row per (token, k) route, written by the scatter GEMMs."""
+        return torch.empty(self.num_tokens * self.top_k, hidden, dtype=torch.bfloat16,
+                           device=self.plan.buffer.device)
 
 
 def _forward_experts(pool: _Pool, w13, w2, activation, z, fp8_forward: bool) -> torch.Tensor:
     """[T·K, H]: each route's expert output (GEMM1 with the activation, then GEMM2 into the routes' rows)."""
-    hidden = w13.shape[2]
-    routed = pool.routed(torch.empty(0, dtype=torch.bfloat16, device=w13.device), hidden)
+    routed = pool.routed(w13.shape[2])
     if fp8_forward:
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
         h, h_scales = gated_gemm_fp8(pool.x, pool.x_scales, w13_fp8.q, w13_fp8.scales, pool.plan, activation, z)
@@ -117,7 +114,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         plan = pool.plan.buffer
     routed = _forward_experts(pool, w13, w2, activation, z if keep else None, fp8_forward)
     del pool.x, pool.x_scales
-    y = pool.combine(routed, topk_weights)
+    y = combine(pool.plan, routed, topk_weights)
     pool.id_range.raise_if_any()
     return y, x_pool, x_scales, z, plan
 
@@ -182,14 +179,14 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
     if need_dx:
-        routed = pool.routed(dz, x.shape[1])
+        routed = pool.routed(x.shape[1])
         if fp8_backward:
             dz_fp8, dz_scales = fp8.quantize_rows(dz)
             w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
             grouped_gemm_scatter_fp8(dz_fp8, dz_scales, w13t, w13t_scales, plan, routed)
         else:
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
-        dx = pool.combine(routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
+        dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
     # Into the returned bf16 gradient, or added in fp32 to main_grad (the returned one is then empty).
     for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, lambda: hp),
                                        (need_dw13, dw13, main_grad13, dz, pool.x_bf16)):

@@ -68,7 +68,7 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
     num_local, two_i, hidden = w13.shape
     h = a.new_empty(a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
-                 _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), None if z is None else z.data_ptr(),
+                 _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), _native.address(z),
                                        two_i // 2, hidden, act), _native.stream(a.device))
     return h
 
@@ -84,7 +84,7 @@ def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w
     h = torch.empty(a.shape[0], two_i // 2, dtype=torch.float8_e4m3fn, device=a.device)
     h_scales = torch.empty(two_i // 2 // 128, a.shape[0], dtype=torch.float32, device=a.device)
     args = _native.GatedGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), w13.data_ptr(), w13_scales.data_ptr(),
-                                    h.data_ptr(), h_scales.data_ptr(), None if z is None else z.data_ptr(),
+                                    h.data_ptr(), h_scales.data_ptr(), _native.address(z),
                                     two_i // 2, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_fp8", f"FP8 GEMM1 with {activation}", plan.native(), args,
                  _native.stream(a.device))
@@ -108,10 +108,17 @@ def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, ro
     not written; row_of_slot None: the plan's slot_to_route): B[e] = b[e]ᵀ for b [E_local, N, K] (w2 in
     GEMM2), or b[e] itself for b [E_local, K, N] with b_is_k_by_n (w13 in the backward's dx)."""
     args = _native.ScatterGemmArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(),
-                                   None if row_of_slot is None else row_of_slot.data_ptr(), out.shape[0],
+                                   _native.address(row_of_slot), out.shape[0],
                                    out.shape[1], a.shape[1], _native.B_K_BY_N if b_is_k_by_n else _native.B_N_BY_K)
     _native.call("megamoe_grouped_gemm_scatter_bf16", "grouped GEMM with scattered rows", plan.native(), args,
                  _native.stream(a.device))
+
+
+def _backward_outputs(z: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dh epilogue's outputs for z [rows, 2I]: dz like z, hp [rows, I] bf16, dp partials [rows, I / 128] fp32."""
+    rows = z.shape[0]
+    return (z.new_empty(rows, 2 * inter), z.new_empty(rows, inter),
+            torch.empty(rows, inter // 128, dtype=torch.float32, device=z.device))
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
@@ -121,9 +128,7 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
     the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩)."""
     act = activation_id(activation)
     num_local, hidden, inter = w2.shape
-    rows = dy_pool.shape[0]
-    dz, hp = dy_pool.new_empty(rows, 2 * inter), dy_pool.new_empty(rows, inter)
-    dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=dy_pool.device)
+    dz, hp, dp_partial = _backward_outputs(z, inter)
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
                                      dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
@@ -138,9 +143,7 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
     w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
-    rows = dy_pool.shape[0]
-    dz, hp = z.new_empty(rows, 2 * inter), z.new_empty(rows, inter)
-    dp_partial = torch.empty(rows, inter // 128, dtype=torch.float32, device=dy_pool.device)
+    dz, hp, dp_partial = _backward_outputs(z, inter)
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
                                         w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(),
                                         hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)

@@ -69,8 +69,11 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     fp8_forward, fp8_backward = precision == "fp8", precision in ("fp8", "fp8_bwd")
     ids, p = topk_ids.long(), topk_weights.double()
     xf = _fp8_rows(x) if fp8_forward else x.double()
-    w13f, w2f = (_fp8_blocks(w13), _fp8_blocks(w2)) if fp8_forward else (w13.double(), w2.double())
-    w13b, w2b = (_fp8_blocks(w13), _fp8_blocks(w2)) if fp8_backward else (w13.double(), w2.double())
+    exact, blocks = (w13.double(), w2.double()), None
+    if fp8_backward:  # fp8_forward implies it: the weights' 128 x 128 round trip, made once
+        blocks = (_fp8_blocks(w13), _fp8_blocks(w2))
+    w13f, w2f = blocks if fp8_forward else exact
+    w13b, w2b = blocks if fp8_backward else exact
     dyd = dy.double()
     dyb = _fp8_rows(dy) if fp8_backward else dyd
     inter = w13.shape[1] // 2

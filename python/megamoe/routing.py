@@ -47,7 +47,7 @@ class RoutingPlan:
     def native(self, workspace: torch.Tensor | None = None) -> _native.RoutingPlan:
         """The megamoe_routing_plan the C API takes: this plan's arrays and shape."""
         return _native.RoutingPlan(*(getattr(self, name).data_ptr() for name in PLAN_FIELDS),
-                                   None if workspace is None else workspace.data_ptr(), self.shape)
+                                   _native.address(workspace), self.shape)
 
 
 # The plan's arrays, in the order of megamoe_routing_plan's pointers (the dataclass order).

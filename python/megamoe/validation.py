@@ -63,7 +63,8 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 
 def check_fused_precision(precision: str) -> None:
-    _require(precision in FUSED_PRECISIONS, f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
+    _require(precision in FUSED_PRECISIONS,
+             f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
 
 
 def check_backend_precision(backend: str, precision: str, group=None) -> None:

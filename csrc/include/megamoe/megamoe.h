@@ -240,7 +240,7 @@ int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* s
 // Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_ACTIVATION_SWIGLU 0  // act = silu(g) = g / (1 + exp(-g))
-#define MEGAMOE_ACTIVATION_GEGLU 1   // act = gelu(g), tanh approximation: g / 2 (1 + tanh(√(2/π) (g + 0.044715 g³)))
+#define MEGAMOE_ACTIVATION_GEGLU 1   // act = gelu(g), tanh form: g / 2 (1 + tanh(√(2/π) (g + 0.044715 g³)))
 
 // ---------------------------------------------------------------------------------------------
 // GEMM1 of the expert MLP with the gated activation fused into the epilogue.

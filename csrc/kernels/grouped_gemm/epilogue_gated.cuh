@@ -54,6 +54,19 @@ struct GatedTile {
     }
   }
 
+  // Both keep nothing per tile, read their TMA maps h and z (KeepZ), and defer h's store (kernel.cuh).
+  struct Rows {};
+  static constexpr bool kDeferred = true;
+  template <class Params>
+  __device__ static void prefetch(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.h);
+    if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
+  }
+  template <class Params>
+  __device__ static Rows prepare(const Params&, const PoolTile&, int) {
+    return {};
+  }
+
   // h = act(g) · u in fp32, an m64n128 fragment of the tile's 128 h columns.
   __device__ static void activate(const float (&acc)[Cfg::kAccumulators], float (&h)[kHalf]) {
 #pragma unroll
@@ -76,7 +89,7 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
     CUtensorMap z;  // [max_blocks * 128, 2I] (KeepZ only)
     int intermediate;
   };
-  struct Rows {};
+  using typename Tile::Rows;
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     if (KeepZ) return check_pointers(p.fn, {{args.h, "h"}, {args.z, "z"}});
@@ -89,15 +102,8 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
     return Tile::z_params(p, args.z, &params->z);
   }
 
-  __device__ static void prefetch(const Params& p) {
-    cute::prefetch_tma_descriptor(&p.h);
-    if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
-  }
-  __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
-
   // Deferred (kernel.cuh): z (KeepZ) is stored right after the main loop; h waits packed and is
   // stored under the next tile's first wgmma batch.
-  static constexpr bool kDeferred = true;
   struct Pending {
     uint32_t h[kHalf / 2];
     int row0, col0;

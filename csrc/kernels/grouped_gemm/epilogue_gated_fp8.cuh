@@ -42,7 +42,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     int pool_rows;
     int intermediate;
   };
-  struct Rows {};
+  using typename Tile::Rows;
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.h, "h"}, {args.h_scales, "h_scales"}}));
@@ -58,15 +58,8 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     return Tile::z_params(p, args.z, &params->z);
   }
 
-  __device__ static void prefetch(const Params& p) {
-    cute::prefetch_tma_descriptor(&p.h);
-    if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
-  }
-  __device__ static Rows prepare(const Params&, const PoolTile&, int) { return {}; }
-
   // Deferred (kernel.cuh): h waits quantised (64 bytes) and is stored under the next tile's first
   // wgmma batch; z and the scales are stored right away.
-  static constexpr bool kDeferred = true;
   struct Pending {
     uint32_t q[kHalf / 4];  // q[8 h + j / 2]: e4m3 pairs of 8-column groups j, j + 1 of row half h
     int row0, col0;

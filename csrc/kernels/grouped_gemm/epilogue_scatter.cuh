@@ -33,7 +33,7 @@ __device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
 
 struct ScatterArguments {
   void* out_rows;               // [num_out_rows, N] bf16
-  const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none
+  const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none; null: the plan's slot_to_route
   int64_t num_out_rows;
 };
 
@@ -60,16 +60,22 @@ struct ScatterEpilogue {
     int32_t route[kPasses];  // output row of each pass's row, or -1: not written
   };
 
+  static const int32_t* row_of_slot(const PoolProblem& p, const Arguments& args) {
+    return args.row_of_slot != nullptr ? args.row_of_slot : p.plan->slot_to_route;
+  }
+
   // TMA serves the operands; the epilogue's 16-byte row stores need an aligned out_rows.
   static int can_implement(const PoolProblem& p, const Arguments& args) {
-    if (args.row_of_slot == nullptr) return invalid_argument(p.fn + "row_of_slot must be non-null");
+    if (row_of_slot(p, args) == nullptr) {
+      return invalid_argument(p.fn + "row_of_slot must be non-null when the plan has no slot_to_route");
+    }
     if (args.num_out_rows < 0) {
       return invalid_argument(p.fn + "num_out_rows must be >= 0, got " + std::to_string(args.num_out_rows));
     }
     return check_pointers(p.fn, {{args.out_rows, "out_rows"}});
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
-    *params = Params{static_cast<__nv_bfloat16*>(args.out_rows), args.row_of_slot, args.num_out_rows, p.n};
+    *params = Params{static_cast<__nv_bfloat16*>(args.out_rows), row_of_slot(p, args), args.num_out_rows, p.n};
     return MEGAMOE_OK;
   }
 

@@ -62,7 +62,8 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
     case MEGAMOE_GRAD_FP32_ADD:
       return run_weight_grad<true>(fn, *plan, a, stream);
     default:
-      return invalid_argument(fn + "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got " +
+      return invalid_argument(fn +
+                              "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got " +
                               std::to_string(a.output));
   }
 }
