@@ -30,12 +30,21 @@ class MoELayer(nn.Module):
 
     dtype (default torch.bfloat16, what backend='fused' computes in): the gate's and the experts'
     parameters; forward takes hidden states of this dtype (the router's softmax runs in fp32).
+
+    shared_expert_intermediate_size (DeepSeek-V3, Qwen2-MoE): a gated MLP of that width that every
+    token goes through, added to the routed experts' output; with shared_expert_gate, scaled per
+    token by sigmoid(x · shared_expert_gate) (Qwen2-MoE). It runs in the same experts call as the
+    routed ones: its width is cut into S = width / moe_intermediate_size slices of the experts'
+    size (the activation is elementwise, so the slices' outputs add up to the MLP's), stored as the
+    last S experts of w13 / w2, and every token is routed to all S with its gate as weight.
+    load_shared_expert copies a transformers-layout shared MLP in.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
                  *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
-                 activation: str = "swiglu", device=None, dtype: torch.dtype = torch.bfloat16):
+                 activation: str = "swiglu", shared_expert_intermediate_size: int = 0,
+                 shared_expert_gate: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -45,6 +54,8 @@ class MoELayer(nn.Module):
         self.activation = check_activation(activation)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
+        self.num_shared = _shared_slices(shared_expert_intermediate_size, moe_intermediate_size, shared_expert_gate,
+                                         group)
         _, world = group_rank_and_size(group)
         if num_experts % world:
             raise ValueError(f"num_experts = {num_experts} must be divisible by the group size {world}")
@@ -54,9 +65,10 @@ class MoELayer(nn.Module):
         self.initializer_range = initializer_range
         factory = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        local = num_experts // world
+        local = num_experts // world + self.num_shared
         self.w13 = nn.Parameter(torch.empty(local, 2 * moe_intermediate_size, hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, moe_intermediate_size, **factory))
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
         if use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             # Selections per expert in the last forward. Overwritten, not accumulated, so that a
@@ -70,7 +82,8 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """As transformers initialises Qwen3-MoE: N(0, initializer_range) for the gate and the experts."""
-        for weight in (self.gate.weight, self.w13, self.w2):
+        gates = (self.gate,) + ((self.shared_expert_gate,) if self.shared_expert_gate is not None else ())
+        for weight in (*(g.weight for g in gates), self.w13, self.w2):
             weight.normal_(0.0, self.initializer_range)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
@@ -87,10 +100,44 @@ class MoELayer(nn.Module):
             with torch.no_grad():  # index_add_ rather than bincount: no host synchronisation
                 ids = routing.topk_ids.flatten()
                 self.expert_load.zero_().index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-        y = moe(x.contiguous(), routing.topk_ids, routing.topk_weights, self.w13, self.w2,
+        topk_ids, topk_weights = routing.topk_ids, routing.topk_weights
+        if self.num_shared:
+            topk_ids, topk_weights = self._route_to_shared_expert(x, topk_ids, topk_weights)
+        y = moe(x.contiguous(), topk_ids, topk_weights, self.w13, self.w2,
                 backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute,
                 activation=self.activation)
         return y.view(hidden_states.shape), routing.router_logits
+
+    def _route_to_shared_expert(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """Every token's routes plus one to each slice of the shared expert (experts E .. E + S - 1),
+        weighted by its gate (1 without shared_expert_gate)."""
+        tokens = x.shape[0]
+        shared_ids = torch.arange(self.num_experts, self.num_experts + self.num_shared, device=topk_ids.device,
+                                  dtype=topk_ids.dtype).expand(tokens, -1)
+        if self.shared_expert_gate is None:
+            gate = torch.ones(tokens, 1, device=x.device, dtype=topk_weights.dtype)
+        else:
+            gate = torch.sigmoid(self.shared_expert_gate(x).to(topk_weights.dtype))
+        return (torch.cat([topk_ids, shared_ids], dim=1),
+                torch.cat([topk_weights, gate.expand(-1, self.num_shared)], dim=1))
+
+    @torch.no_grad()
+    def load_shared_expert(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+        """Copies a shared MLP in transformers' layout (gate_proj, up_proj [I_s, H], down_proj [H, I_s])
+        into its slices of w13 / w2."""
+        if not self.num_shared:
+            raise RuntimeError("this MoELayer has no shared expert (construct it with shared_expert_intermediate_size)")
+        inter, hidden = self.w2.shape[-1], self.hidden_size
+        width = self.num_shared * inter
+        for name, weight, shape in (("gate_proj", gate_proj, (width, hidden)), ("up_proj", up_proj, (width, hidden)),
+                                    ("down_proj", down_proj, (hidden, width))):
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)} for this layer's shared expert, got "
+                                 f"{list(weight.shape)}")
+        first = self.w13.shape[0] - self.num_shared
+        self.w13[first:, :inter].copy_(gate_proj.view(self.num_shared, inter, hidden))
+        self.w13[first:, inter:].copy_(up_proj.view(self.num_shared, inter, hidden))
+        self.w2[first:].copy_(down_proj.view(hidden, self.num_shared, inter).transpose(0, 1))
 
     @torch.no_grad()
     def update_expert_bias(self, expert_load: torch.Tensor | None = None, rate: float = 1e-3) -> None:
@@ -108,4 +155,20 @@ class MoELayer(nn.Module):
         return (f"hidden_size={self.hidden_size}, moe_intermediate_size={self.w2.shape[-1]}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
                 f"activation={self.activation!r}, backend={self.backend!r}, precision={self.precision!r}, "
-                f"recompute={self.recompute}, expert_bias={self.expert_bias is not None}")
+                f"recompute={self.recompute}, expert_bias={self.expert_bias is not None}, "
+                f"shared_expert_slices={self.num_shared}, shared_expert_gate={self.shared_expert_gate is not None}")
+
+
+def _shared_slices(width: int, inter: int, gate: bool, group) -> int:
+    """How many expert-sized slices a shared expert of intermediate size `width` takes (0: none)."""
+    if width == 0:
+        if gate:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        return 0
+    if width < 0 or width % inter:
+        raise ValueError(f"shared_expert_intermediate_size must be a positive multiple of moe_intermediate_size = "
+                         f"{inter} (it runs as slices of the experts' size), got {width}")
+    if group is not None:
+        raise NotImplementedError("a shared expert with expert parallelism (group=) is not supported yet; "
+                                  "keep the shared MLP outside the MoELayer")
+    return width // inter

@@ -1,5 +1,7 @@
 """MoELayer: the Qwen3 router, transformers' aux loss, and the layer through naive and grouped."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,8 @@ import megamoe
 from megamoe.activation import ACTIVATIONS
 from megamoe.reference import reference_moe, relative_error
 from megamoe.router import route
+
+from conftest import requires_cuda
 
 BF16_TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation (as test_backends)
 
@@ -163,3 +167,101 @@ def test_layer_names_the_dtype_mismatch_and_the_fix():
         layer(torch.randn(10, 64))
     fp32 = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="grouped", dtype=torch.float32)
     assert fp32(torch.randn(10, 64))[0].dtype == torch.float32
+
+
+def shared_expert_reference(layer, x, gate_proj, up_proj, down_proj, activation="swiglu"):
+    """fp64: the routed experts on the layer's routing plus the shared MLP, gated as the layer gates it;
+    differentiable w.r.t. x and every weight passed (the routed experts' are the layer's, detached)."""
+    from megamoe.activation import gated
+    xd = x.double()
+    routing = route(xd, layer.gate.weight.detach().double(), layer.top_k)
+    experts = layer.w13.shape[0] - layer.num_shared
+    w13, w2 = (p.detach()[:experts].double().requires_grad_() for p in (layer.w13, layer.w2))
+    routed = reference_moe(xd, routing.topk_ids, routing.topk_weights, w13, w2, activation=activation)
+    shared = gated(xd @ torch.cat([gate_proj, up_proj]).T, activation) @ down_proj.T
+    gate = None
+    if layer.shared_expert_gate is not None:
+        gate = layer.shared_expert_gate.weight.detach().double().requires_grad_()
+        shared = shared * torch.sigmoid(xd @ gate.T)
+    return routed + shared, (w13, w2, gate)
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("slices", [1, 3])
+def test_shared_expert_matches_a_separate_mlp(slices, gate):
+    """The shared expert as S slices routed to by every token: output and gradients of the shared MLP's
+    weights, its gate and x against fp64, the MLP loaded from transformers' layout."""
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="naive", dtype=torch.float64,
+                             shared_expert_intermediate_size=32 * slices, shared_expert_gate=gate)
+    assert layer.w13.shape == (8 + slices, 64, 64) and f"shared_expert_slices={slices}" in repr(layer)
+    gate_proj, up_proj = torch.randn(32 * slices, 64, dtype=torch.float64) / 8, torch.randn(32 * slices, 64) / 8
+    down_proj = torch.randn(64, 32 * slices, dtype=torch.float64) / 8
+    layer.load_shared_expert(gate_proj, up_proj.double(), down_proj)
+    x = torch.randn(100, 64, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    shared = [t.double().clone().requires_grad_() for t in (gate_proj, up_proj, down_proj)]
+    xr = x.detach().clone().requires_grad_()
+    ref, (_, _, gate_weight) = shared_expert_reference(layer, xr, *shared)
+    # naive sums the experts' outputs in fp32
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
+    close(y, ref)
+    dy = torch.randn_like(ref)
+    y.backward(dy)
+    ref.backward(dy)
+    close(x.grad, xr.grad)
+    inter = 32
+    dw13, dw2 = layer.w13.grad[8:], layer.w2.grad[8:]
+    close(dw13[:, :inter].reshape(-1, 64), shared[0].grad)
+    close(dw13[:, inter:].reshape(-1, 64), shared[1].grad)
+    close(dw2.transpose(0, 1).reshape(64, -1), shared[2].grad)
+    if gate:
+        close(layer.shared_expert_gate.weight.grad, gate_weight.grad)
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_shared_expert_matches_fp64(precision):
+    """backend='fused' with a gated shared expert of two slices: output and gradients against fp64."""
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(256, 128, num_experts=8, top_k=2, backend="fused", precision=precision,
+                             shared_expert_intermediate_size=256, shared_expert_gate=True, device="cuda")
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, _ = layer(x)
+    shared = [p.detach()[8:].double() for p in (layer.w13, layer.w2)]
+    mlp = [t.clone().requires_grad_() for t in (shared[0][:, :128].reshape(-1, 256),
+                                                 shared[0][:, 128:].reshape(-1, 256),
+                                                 shared[1].transpose(0, 1).reshape(256, -1))]
+    xr = x.detach().double().requires_grad_()
+    ref, (w13, w2, gate_weight) = shared_expert_reference(layer, xr, *mlp)
+    tolerance = BF16_TOLERANCE if precision == "bf16" else 0.1  # the recipe's own error (docs/PERFORMANCE.md)
+    assert relative_error(y, ref) < tolerance
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    assert relative_error(x.grad, xr.grad) < tolerance
+    assert relative_error(layer.w13.grad[:8], w13.grad) < tolerance
+    assert relative_error(layer.w2.grad[:8], w2.grad) < tolerance
+    assert relative_error(layer.shared_expert_gate.weight.grad, gate_weight.grad) < tolerance
+    dw13, dw2 = layer.w13.grad[8:], layer.w2.grad[8:]
+    assert relative_error(dw13[:, :128].reshape(-1, 256), mlp[0].grad) < tolerance
+    assert relative_error(dw13[:, 128:].reshape(-1, 256), mlp[1].grad) < tolerance
+    assert relative_error(dw2.transpose(0, 1).reshape(256, -1), mlp[2].grad) < tolerance
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"shared_expert_intermediate_size": 48}, ValueError, "positive multiple of moe_intermediate_size = 32"),
+    ({"shared_expert_gate": True}, ValueError, "shared_expert_gate needs a shared expert"),
+    ({"shared_expert_intermediate_size": 32, "group": object()}, NotImplementedError, "expert parallelism"),
+])
+def test_shared_expert_refusals(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        megamoe.MoELayer(64, 32, num_experts=8, top_k=2, backend="naive", **kwargs)
+
+
+def test_load_shared_expert_checks_shapes():
+    layer = megamoe.MoELayer(64, 32, 8, 2, backend="naive", shared_expert_intermediate_size=64)
+    with pytest.raises(ValueError, match=r"up_proj must be \[64, 64\]"):
+        layer.load_shared_expert(torch.zeros(64, 64), torch.zeros(32, 64), torch.zeros(64, 64))
+    with pytest.raises(RuntimeError, match="no shared expert"):
+        megamoe.MoELayer(64, 32, 8, 2, backend="naive").load_shared_expert(*[torch.zeros(1, 1)] * 3)
