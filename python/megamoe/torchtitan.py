@@ -1,0 +1,145 @@
+"""megamoe as the experts of TorchTitan's MoE layers (torchtitan 0.3, `pip install ".[torchtitan]"`).
+
+TorchTitan swaps model components through its override mechanism; this module registers one,
+`megamoe.torchtitan.megamoe_experts`, for the routed experts (`RoutedExperts`: dispatch, the
+grouped GEMMs, combine). Switch it on from TorchTitan's own configuration:
+
+    --override.imports 'megamoe.torchtitan.megamoe_experts={"precision": "fp8"}'
+
+(or `OverrideConfig(imports=[("megamoe.torchtitan.megamoe_experts", {...})])` in a config
+function). Options: backend ("fused", or a baseline), precision ("bf16", "fp8", "fp8_bwd"),
+recompute, activation as in `megamoe.moe`. The router, the shared experts, the load-balancing
+state and everything else stay TorchTitan's; FSDP2 (`fully_shard`), activation checkpointing and
+`torch.compile` apply to the replaced module as to the native one.
+
+The experts' gate and up weights live in one parameter `w13 [E, 2F, D]` (gate rows, then up rows:
+the layout megamoe's kernels read, so no copy per step), `w2_EDF [E, D, F]` as TorchTitan has it;
+checkpoints keep TorchTitan's `w1_EFD` / `w3_EFD` (split on save, merged on load), so they load
+into either model. Refused at configuration time: experts other than TorchTitan's SwiGLU
+`GroupedExperts`; at parallelisation: expert or tensor parallelism (not yet served).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torchtitan.config import derive, override
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+
+from .activation import check_activation
+from .functional import moe
+from .validation import BACKENDS, check_backend_precision, check_fused_precision, check_recompute
+
+__all__ = ["MegaMoEExperts", "MegaMoERoutedExperts", "megamoe_experts"]
+
+
+class MegaMoEExperts(GroupedExperts):
+    """TorchTitan's grouped experts with gate and up in one weight, `w13 [E, 2F, D]`."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        del self.w1_EFD, self.w3_EFD
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * config.hidden_dim, config.dim))
+        self.register_state_dict_post_hook(_split_w13_on_save)
+        self.register_load_state_dict_pre_hook(_merge_w13_on_load)
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("MegaMoEExperts runs inside MegaMoERoutedExperts, which hands megamoe.moe the routing "
+                           "itself; it is not called on dispatched tokens")
+
+
+def _split_w13_on_save(module, state_dict, prefix, local_metadata) -> None:
+    w13 = state_dict.pop(f"{prefix}w13")
+    inter = w13.shape[1] // 2
+    state_dict[f"{prefix}w1_EFD"] = w13[:, :inter]
+    state_dict[f"{prefix}w3_EFD"] = w13[:, inter:]
+
+
+def _merge_w13_on_load(module, state_dict, prefix, *args) -> None:
+    gate, up = f"{prefix}w1_EFD", f"{prefix}w3_EFD"
+    if gate in state_dict and up in state_dict:
+        state_dict[f"{prefix}w13"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], dim=1)
+
+
+class MegaMoERoutedExperts(RoutedExperts):
+    """TorchTitan's routed experts (dispatch, experts, combine) as one `megamoe.moe` call."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        backend: str = "fused"
+        precision: str = "bf16"
+        recompute: bool = False
+        activation: str = "swiglu"
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.backend, self.precision = config.backend, config.precision
+        self.recompute, self.activation = config.recompute, config.activation
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        experts = self.inner_experts
+        batch, length, dim = x_BLD.shape
+        top_k = topk_expert_ids_BLK.shape[-1]
+        # As TorchTitan's grouped experts: bf16 operands (FSDP's mixed precision makes these casts no-ops).
+        y = moe(x_BLD.reshape(-1, dim).bfloat16(), topk_expert_ids_BLK.reshape(-1, top_k),
+                topk_scores_BLK.reshape(-1, top_k).float(), experts.w13.bfloat16(), experts.w2_EDF.bfloat16(),
+                backend=self.backend, precision=self.precision, recompute=self.recompute, activation=self.activation)
+        return y.view(batch, length, dim).type_as(x_BLD)
+
+    def parallelize(self, parallel_dims) -> None:
+        for name in ("ep", "tp"):
+            if getattr(parallel_dims, f"{name}_enabled", False):
+                raise ValueError(f"megamoe's TorchTitan experts do not serve {name.upper()} parallelism yet; set "
+                                 f"{'expert_parallel_degree' if name == 'ep' else 'tensor_parallel_degree'} = 1 "
+                                 "(FSDP and data parallelism are served)")
+        super().parallelize(parallel_dims)
+
+
+def _fused_init(gate: Callable | None, up: Callable | None) -> Callable | None:
+    """The initialiser of w13 from those of w1 (gate rows) and w3 (up rows)."""
+    if gate is None or up is None:
+        return None
+
+    def init(w13: torch.Tensor) -> None:
+        inter = w13.shape[1] // 2
+        gate(w13[:, :inter])
+        up(w13[:, inter:])
+    return init
+
+
+@override(target=RoutedExperts.Config, description="megamoe: dispatch, grouped GEMMs and combine in fused kernels")
+def megamoe_experts(cfg: RoutedExperts.Config, *, backend: str = "fused", precision: str = "bf16",
+                    recompute: bool = False, activation: str = "swiglu") -> MegaMoERoutedExperts.Config:
+    """TorchTitan override factory: cfg's routed experts through megamoe (options as megamoe.moe's)."""
+    if type(cfg) is not RoutedExperts.Config or type(cfg.inner_experts) is not GroupedExperts.Config:
+        raise ValueError(f"megamoe serves TorchTitan's SwiGLU GroupedExperts inside RoutedExperts; this model's "
+                         f"experts are {type(cfg).__qualname__} with {type(cfg.inner_experts).__qualname__}. "
+                         "Leave megamoe.torchtitan.megamoe_experts out of --override.imports for it")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_activation(activation)
+    check_recompute(backend, recompute)
+    check_backend_precision(backend, precision)
+    if backend == "fused":
+        check_fused_precision(precision)
+    inner = cfg.inner_experts
+    param_init = inner.param_init
+    if param_init is not None:
+        param_init = {k: v for k, v in param_init.items() if k not in ("w1_EFD", "w3_EFD")}
+        param_init["w13"] = _fused_init(inner.param_init.get("w1_EFD"), inner.param_init.get("w3_EFD"))
+    fused = derive(inner, MegaMoEExperts.Config, param_init=param_init)
+    if inner.sharding_config is not None:
+        shardings = dict(inner.sharding_config.state_shardings)
+        shardings["w13"] = shardings.pop("w1_EFD")
+        shardings.pop("w3_EFD")
+        fused.sharding_config = dataclasses.replace(inner.sharding_config, state_shardings=shardings)
+    return derive(cfg, MegaMoERoutedExperts.Config, inner_experts=fused, backend=backend, precision=precision,
+                  recompute=recompute, activation=activation)
