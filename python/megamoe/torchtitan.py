@@ -12,10 +12,9 @@ recompute, activation as in `megamoe.moe`. The router, the shared experts, the l
 state and everything else stay TorchTitan's; FSDP2 (`fully_shard`), activation checkpointing and
 `torch.compile` apply to the replaced module as to the native one.
 
-The experts' gate and up weights live in one parameter `w13 [E, 2F, D]` (gate rows, then up rows:
-the layout megamoe's kernels read, so no copy per step), `w2_EDF [E, D, F]` as TorchTitan has it;
-checkpoints keep TorchTitan's `w1_EFD` / `w3_EFD` (split on save, merged on load), so they load
-into either model. Refused at configuration time: experts other than TorchTitan's SwiGLU
+The experts' gate and up weights live in one parameter `w13 [E, 2F, D]`, `w2_EDF [E, D, F]` as
+TorchTitan has it; checkpoints keep TorchTitan's `w1_EFD` / `w3_EFD` (torchtitan_layout.py).
+torchtitan 0.2 (which runs on older PyTorch) is served by megamoe/torchtitan_converter.py instead. Refused at configuration time: experts other than TorchTitan's SwiGLU
 `GroupedExperts`; at parallelisation: expert or tensor parallelism (not yet served).
 """
 
@@ -30,7 +29,7 @@ from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from .activation import check_activation
-from .functional import moe
+from .torchtitan_layout import checkpoint_split, routed_experts
 from .validation import BACKENDS, check_backend_precision, check_fused_precision, check_recompute
 
 __all__ = ["MegaMoEExperts", "MegaMoERoutedExperts", "megamoe_experts"]
@@ -47,25 +46,11 @@ class MegaMoEExperts(GroupedExperts):
         super().__init__(config)
         del self.w1_EFD, self.w3_EFD
         self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * config.hidden_dim, config.dim))
-        self.register_state_dict_post_hook(_split_w13_on_save)
-        self.register_load_state_dict_pre_hook(_merge_w13_on_load)
+        checkpoint_split(self, "w1_EFD", "w3_EFD")
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("MegaMoEExperts runs inside MegaMoERoutedExperts, which hands megamoe.moe the routing "
                            "itself; it is not called on dispatched tokens")
-
-
-def _split_w13_on_save(module, state_dict, prefix, local_metadata) -> None:
-    w13 = state_dict.pop(f"{prefix}w13")
-    inter = w13.shape[1] // 2
-    state_dict[f"{prefix}w1_EFD"] = w13[:, :inter]
-    state_dict[f"{prefix}w3_EFD"] = w13[:, inter:]
-
-
-def _merge_w13_on_load(module, state_dict, prefix, *args) -> None:
-    gate, up = f"{prefix}w1_EFD", f"{prefix}w3_EFD"
-    if gate in state_dict and up in state_dict:
-        state_dict[f"{prefix}w13"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], dim=1)
 
 
 class MegaMoERoutedExperts(RoutedExperts):
@@ -85,14 +70,9 @@ class MegaMoERoutedExperts(RoutedExperts):
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        experts = self.inner_experts
-        batch, length, dim = x_BLD.shape
-        top_k = topk_expert_ids_BLK.shape[-1]
-        # As TorchTitan's grouped experts: bf16 operands (FSDP's mixed precision makes these casts no-ops).
-        y = moe(x_BLD.reshape(-1, dim).bfloat16(), topk_expert_ids_BLK.reshape(-1, top_k),
-                topk_scores_BLK.reshape(-1, top_k).float(), experts.w13.bfloat16(), experts.w2_EDF.bfloat16(),
-                backend=self.backend, precision=self.precision, recompute=self.recompute, activation=self.activation)
-        return y.view(batch, length, dim).type_as(x_BLD)
+        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, self.inner_experts.w13,
+                              self.inner_experts.w2_EDF, backend=self.backend, precision=self.precision,
+                              recompute=self.recompute, activation=self.activation)
 
     def parallelize(self, parallel_dims) -> None:
         for name in ("ep", "tp"):
