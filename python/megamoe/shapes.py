@@ -22,6 +22,12 @@ class MoEShape:
 PRESETS = {
     "qwen3-30b-a3b": MoEShape(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8),
     "qwen3-235b-a22b": MoEShape(hidden_size=4096, intermediate_size=1536, num_experts=128, top_k=8),
+    # The other classes of open MoE models: one rank of 8 of a DeepSeek-V3-class model (Kimi-K2: 384
+    # experts), few large experts, sizes that are not multiples of 128, many small experts.
+    "kimi-k2-ep8": MoEShape(hidden_size=7168, intermediate_size=2048, num_experts=48, top_k=8),
+    "mixtral-8x22b": MoEShape(hidden_size=6144, intermediate_size=16384, num_experts=8, top_k=2),
+    "gpt-oss-20b": MoEShape(hidden_size=2880, intermediate_size=2880, num_experts=32, top_k=4),
+    "qwen3-next-80b-a3b": MoEShape(hidden_size=2048, intermediate_size=512, num_experts=512, top_k=10),
     # Small enough for CPU tests; same structure.
     "tiny": MoEShape(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2),
 }
