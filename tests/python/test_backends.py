@@ -329,3 +329,21 @@ def test_main_grad_must_be_an_fp32_buffer_of_the_weights_shape(main_grad, messag
     weight.main_grad = main_grad
     with pytest.raises(ValueError, match=message):
         main_grad_of(weight, "w2")
+
+
+@requires_cuda
+@pytest.mark.parametrize("experts, top_k", [(1024, 16), (512, 10)])
+def test_fused_with_many_experts_and_routes(experts, top_k):
+    """E up to 1024 and K up to 16: forward and the four gradients against fp64."""
+    shape = MoEShape(hidden_size=256, intermediate_size=128, num_experts=experts, top_k=top_k)
+    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, 300, "skewed", device="cuda", seed=6)
+    inputs = [leaf(t) for t in (x, weights, w13, w2)]
+    ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
+    y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused")
+    ref = reference_moe(ref_inputs[0], ids, *ref_inputs[1:])
+    assert relative_error(y, ref) < TOLERANCE
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs, ref_inputs):
+        assert relative_error(got.grad, want.grad) < TOLERANCE, name

@@ -35,6 +35,13 @@ def test_host_plan(routing, tokens):
     check_plan(build_routing(ids, 64), ids, 64)
 
 
+@pytest.mark.parametrize("experts, top_k", [(1024, 16), (512, 10)])
+def test_host_plan_for_many_experts_and_routes(experts, top_k):
+    ids, _ = megamoe.make_routing(2000, experts, top_k, "skewed")
+    ids[::3, top_k - 1] = -1
+    check_plan(build_routing(ids, experts), ids, experts)
+
+
 def test_host_plan_for_a_slice_of_experts():
     ids, _ = megamoe.make_routing(1000, 32, 4)
     plan = build_routing(ids, 32, expert_begin=8, num_local_experts=8)
@@ -59,11 +66,12 @@ def test_bad_plan_arguments_raise():
 @requires_cuda
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 @pytest.mark.parametrize("tokens", [1, 4095, 65536])
-def test_cuda_plan_equals_host_plan(routing, tokens):
-    ids, _ = megamoe.make_routing(tokens, 128, 8, routing)
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (1024, 16), (512, 10)])
+def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
+    ids, _ = megamoe.make_routing(tokens, experts, top_k, routing)
     ids[::7, 3] = -1
-    host = build_routing(ids, 128)
-    device = build_routing(ids.cuda(), 128)
+    host = build_routing(ids, experts)
+    device = build_routing(ids.cuda(), experts)
     for field in PLAN_FIELDS + ("buffer",):
         assert torch.equal(getattr(device, field).cpu(), getattr(host, field)), field
     assert bytes(device.shape) == bytes(host.shape)
