@@ -116,10 +116,11 @@ def megamoe_experts(cfg: RoutedExperts.Config, *, backend: str = "fused", precis
         param_init = {k: v for k, v in param_init.items() if k not in ("w1_EFD", "w3_EFD")}
         param_init["w13"] = _fused_init(inner.param_init.get("w1_EFD"), inner.param_init.get("w3_EFD"))
     fused = derive(inner, MegaMoEExperts.Config, param_init=param_init)
-    if inner.sharding_config is not None:
+    if inner.sharding_config is not None:  # set by TorchTitan before overrides apply: w13 is placed as w1 was
         shardings = dict(inner.sharding_config.state_shardings)
-        shardings["w13"] = shardings.pop("w1_EFD")
-        shardings.pop("w3_EFD")
+        if "w1_EFD" in shardings:
+            shardings["w13"] = shardings.pop("w1_EFD")
+        shardings.pop("w3_EFD", None)
         fused.sharding_config = dataclasses.replace(inner.sharding_config, state_shardings=shardings)
     return derive(cfg, MegaMoERoutedExperts.Config, inner_experts=fused, backend=backend, precision=precision,
                   recompute=recompute, activation=activation)

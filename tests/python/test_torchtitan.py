@@ -80,6 +80,22 @@ def test_megamoe_layer_matches_torchtitans_experts(backend, device):
         assert relative_error(got, want) < 1e-2  # both bf16 operands, fp32 accumulation
 
 
+@pytest.mark.parametrize("enable_ep", [False, True])
+def test_sharding_config_places_w13_as_torchtitan_places_w1(enable_ep):
+    """TorchTitan fills the sharding configs before overrides apply (Trainer: update_from_config, then
+    apply_overrides): the replaced experts' w13 takes w1_EFD's placement, and w1/w3 are gone."""
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+    from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
+
+    cfg = _moe_config()
+    set_moe_sharding_config(cfg, enable_ep=enable_ep, enable_sp=False,
+                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
+    native = cfg.routed_experts.inner_experts.sharding_config.state_shardings
+    replaced = _with_megamoe(cfg).routed_experts.inner_experts.sharding_config.state_shardings
+    assert set(replaced) == set(native) - {"w1_EFD", "w3_EFD"} | {"w13"}
+    assert replaced["w13"] == native["w1_EFD"] and replaced["w2_EDF"] == native["w2_EDF"]
+
+
 def test_parameters_initialise_as_torchtitans():
     from megamoe.torchtitan import megamoe_experts
     cfg = _moe_config().routed_experts
