@@ -3,7 +3,8 @@
 # facts (env.txt), the test command's log (GPU tests included), compute-sanitizer on the small
 # GoogleTests, and the benchmarks' logs and JSON (bench/ inside the folder).
 #   bash scripts/gpu_session.sh [stage ...]
-# Stages: env tests sanitize gemm profile bench train parity (default: all but profile and parity);
+# Stages: env tests sanitize gemm profile bench train parity torchtitan (default: all but profile, parity
+# and torchtitan);
 # after a failed `tests` stage the later stages are skipped.
 # Settings (environment variables):
 #   MEGAMOE_OUT        the results folder (default: runs/gpu-<date>-<time> in this tree; runs/ is ignored by git)
@@ -12,7 +13,7 @@
 #   MEGAMOE_WHEELS     a folder of wheels to install offline first (default .whl, if it exists), e.g. the
 #                      nvidia-cutlass wheel for the CUDA headers on a machine without internet access
 #   MEGAMOE_COMMIT     the commit being measured, for the records, when the tree has no .git
-#   MEGAMOE_BENCH_ARGS, MEGAMOE_PROFILE_ARGS  extra arguments of the bench and profile stages
+#   MEGAMOE_BENCH_ARGS, MEGAMOE_PROFILE_ARGS, MEGAMOE_TORCHTITAN_ARGS  extra arguments of those stages
 set -uo pipefail
 out=${MEGAMOE_OUT:+$(realpath -m "$MEGAMOE_OUT")} tarball=${MEGAMOE_TAR:+$(realpath -m "$MEGAMOE_TAR")}
 cd "$(dirname "$0")/.."
@@ -64,8 +65,15 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
       run_python -m megamoe.train.bench --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/train.log" || status=1 ;;
     parity)
       run_python -m megamoe.train.parity --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/parity.log" || status=1 ;;
+    torchtitan)
+      # TorchTitan's models with its experts and megamoe's (torchtitan 0.2 among the wheels): the
+      # reference-setting step bench, then the loss parity.
+      for mode in bench parity; do
+        run_python -m megamoe.train.torchtitan "$mode" --out "$out/bench" ${MEGAMOE_TORCHTITAN_ARGS:-} 2>&1 \
+          | tee -a "$out/torchtitan.log" || status=1
+      done ;;
     *)
-      echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, train, parity)"; status=2 ;;
+      echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, train, parity, torchtitan)"; status=2 ;;
   esac
 done
 exit $status
