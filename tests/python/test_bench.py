@@ -180,7 +180,8 @@ def test_bench_writes_under_the_current_directory_not_the_repositorys_records(tm
 
 
 @pytest.mark.parametrize("module", ["megamoe.bench.cli", "megamoe.bench.gemm", "megamoe.bench.ep",
-                                    "megamoe.bench.profile", "megamoe.train.bench", "megamoe.train.parity"])
+                                    "megamoe.bench.profile", "megamoe.train.bench", "megamoe.train.parity",
+                                    "megamoe.train.torchtitan"])
 def test_every_entry_point_defaults_its_output_to_runs_bench(module, capsys):
     import importlib
 
