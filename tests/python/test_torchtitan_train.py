@@ -2,6 +2,7 @@
 (megamoe through its grouped baseline): both modes run, time or compare what they should and write
 their JSON. Skipped without torchtitan 0.2; the timed GPU runs are the module's own job."""
 
+import copy
 import json
 
 import pytest
@@ -15,9 +16,16 @@ TINY = ["--flavor", "debugmodel_moe", "--layers", "1", "--seq-len", "64", "--bac
 
 
 @pytest.fixture(autouse=True)
-def _histc_on_cpu(monkeypatch):
-    """TorchTitan 0.2 counts tokens per expert with torch.histc, which has no CPU kernel for int64."""
+def _small_debug_model_on_cpu(monkeypatch):
+    """TorchTitan 0.2 counts tokens per expert with torch.histc, which has no CPU kernel for int64; and
+    its CPU experts loop over E expert weights, each selection's backward a full-size gradient: 8
+    small experts instead of the debug model's 64 keep the runs short."""
+    from torchtitan.models.qwen3 import qwen3_args
+
     monkeypatch.setattr(torch, "histc", lambda ids, bins, min, max: torch.bincount(ids, minlength=bins))
+    small = copy.deepcopy(qwen3_args["debugmodel_moe"])
+    small.moe_args.num_experts, small.moe_inter_dim = 8, 128
+    monkeypatch.setitem(qwen3_args, "debugmodel_moe", small)
 
 
 def test_bench_times_each_variant(tmp_path):
