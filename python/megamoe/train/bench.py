@@ -15,7 +15,7 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,35 @@ class BenchRecord:
     losses: list[float] = dataclasses.field(default_factory=list)  # warm-up and timed steps
 
 
+def time_steps(record: BenchRecord, step: Callable[[int], float], tokens: int, warmup: int, warmup_seconds: float,
+               steps: int, device: Device) -> None:
+    """Runs step(i), one training step that returns its loss once the step has finished, at least `warmup`
+    times and for warmup_seconds (device.sustained_warmup_seconds), then `steps` timed times; fills
+    record's losses, warmup_steps, step times, tokens/s (`tokens` per step) and, on a GPU, the peak
+    memory over the timed steps. An exception of a step propagates."""
+    warmup_s = device.sustained_warmup_seconds(warmup_seconds)
+    times = []
+
+    def run(i: int) -> None:
+        start = time.perf_counter()
+        record.losses.append(step(i))
+        times.append(time.perf_counter() - start)
+
+    while len(times) < warmup or sum(times[1:]) < warmup_s:  # the first step may include set-up
+        run(len(times))
+    record.warmup_steps = len(times)
+    if device.is_cuda:
+        torch.cuda.reset_peak_memory_stats(device.device)
+    for _ in range(steps):
+        run(len(times))
+    timed = times[record.warmup_steps:]
+    record.step_ms = 1e3 * statistics.median(timed)
+    record.step_ms_min = 1e3 * min(timed)
+    record.tokens_per_s = tokens / statistics.median(timed)
+    if device.is_cuda:
+        record.peak_mem_gb = torch.cuda.max_memory_allocated(device.device) / 1e9
+
+
 def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, warmup_seconds: float,
                   steps: int, device: Device, precision: str | None = None) -> BenchRecord:
     """precision None: the config's."""
@@ -56,36 +85,18 @@ def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmu
     if record.skipped:
         return record
     patch_hf_model(trainer.model, backend=backend, precision=record.precision)
-    cuda = trainer.device.type == "cuda"
-    warmup_s = device.sustained_warmup_seconds(warmup_seconds)
-    times = []
 
-    def step() -> None:
+    def step(_: int) -> float:
         input_ids = corpus.batch(trainer.step, config.train.batch_size, config.train.seq_len)
-        start = time.perf_counter()
-        record.losses.append(trainer.train_step(input_ids).lm_loss)  # ends in a host sync
-        times.append(time.perf_counter() - start)
+        return trainer.train_step(input_ids).lm_loss  # ends in a host sync
 
     try:
-        while len(times) < warmup or sum(times[1:]) < warmup_s:  # the first step may include set-up
-            step()
-        record.warmup_steps = len(times)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(trainer.device)
-        for _ in range(steps):
-            step()
+        time_steps(record, step, config.train.batch_size * config.train.seq_len, warmup, warmup_seconds, steps,
+                   device)
     except BACKEND_CANNOT_RUN as error:
         record.skipped = f"{type(error).__name__}: {error}"
         trainer.optimizer.zero_grad(set_to_none=True)  # drop what the failed step left behind
-        if cuda:
-            torch.cuda.empty_cache()
-        return record
-    timed = times[record.warmup_steps:]
-    record.step_ms = 1e3 * statistics.median(timed)
-    record.step_ms_min = 1e3 * min(timed)
-    record.tokens_per_s = config.train.batch_size * config.train.seq_len / statistics.median(timed)
-    if cuda:
-        record.peak_mem_gb = torch.cuda.max_memory_allocated(trainer.device) / 1e9
+        device.release_cached_memory()
     return record
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import sys
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from megamoe.bench.report import add_out_argument
+from megamoe.bench.timing import Device
 from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
@@ -101,10 +101,9 @@ def train_curve(config: Config, name: str, backend: str, perturbation: int = 0, 
             curve.losses.append(trainer.train_step(batch).lm_loss)
     except BACKEND_CANNOT_RUN as error:
         curve.skipped = f"{type(error).__name__}: {error}"
+    device = Device(trainer.device)
     del trainer  # free the model and optimizer before the next backend builds its own
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    device.release_cached_memory()
     return curve
 
 

@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from megamoe.bench.report import add_out_argument
 from megamoe.bench.timing import SUSTAINED_WARMUP_S, Device
 
+from .bench import BenchRecord, time_steps
 from .config import DataConfig
 from .data import SyntheticCorpus
 from .parity import NOISE_RUNS, PERTURBED_SUFFIX, Curve, compare, judge, perturb_weights
@@ -115,49 +113,28 @@ def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=cuda)
 
 
-def _release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def bench(setting: Setting, variants: Sequence[str], device: torch.device, steps: int, warmup: int,
           warmup_seconds: float, lr: float) -> list[dict]:
     corpus = SyntheticCorpus(DataConfig(), _vocab(setting), seed=0)
-    tokens = setting.batch_size * setting.seq_len
     timer = Device(device)
     records = []
     for variant in variants:
-        record = {"variant": variant, "skipped": None}
+        record = BenchRecord(variant, "fp8" if variant.endswith("fp8") else "bf16")
         try:
             model = build_model(setting, variant, device, seed=0)
             optimizer = _optimizer(model, lr)
-            times, losses = [], []
-            warmup_s = timer.sustained_warmup_seconds(warmup_seconds)
 
-            def step(i: int) -> None:
+            def step(i: int) -> float:
                 batch = corpus.batch(i, setting.batch_size, setting.seq_len + 1).to(device)
-                start = time.perf_counter()
-                losses.append(train_step(model, optimizer, batch))  # .item(): the step has finished
-                times.append(time.perf_counter() - start)
+                return train_step(model, optimizer, batch)  # .item(): the step has finished
 
-            while len(times) < warmup or sum(times[1:]) < warmup_s:
-                step(len(times))
-            timed_from = len(times)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(steps):
-                step(len(times))
-            step_s = statistics.median(times[timed_from:])
-            record.update(step_ms=1e3 * step_s, tokens_per_s=tokens / step_s, warmup_steps=timed_from,
-                          losses=losses)
-            if device.type == "cuda":
-                record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            time_steps(record, step, setting.batch_size * setting.seq_len, warmup, warmup_seconds, steps, timer)
         except (ImportError, NotImplementedError, ValueError, torch.OutOfMemoryError) as error:
-            record["skipped"] = f"{type(error).__name__}: {str(error)[:300]}"
+            record.skipped = f"{type(error).__name__}: {str(error)[:300]}"
         model = optimizer = None
-        _release()
-        records.append(record)
+        timer.release_cached_memory()
+        records.append({"variant": variant, **{key: value for key, value in dataclasses.asdict(record).items()
+                                               if key not in ("backend", "vs_grouped")}})
     base = next((r for r in records if r["variant"] == "native" and not r["skipped"]), None)
     for r in records:
         if base is not None and not r["skipped"]:
@@ -177,7 +154,7 @@ def train_curve(setting: Setting, name: str, variant: str, device: torch.device,
         batch = corpus.batch(step, setting.batch_size, setting.seq_len + 1).to(device)
         curve.losses.append(train_step(model, optimizer, batch))
     model = optimizer = None
-    _release()
+    Device(device).release_cached_memory()
     return curve
 
 
@@ -241,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = write_result(result, args.out, "torchtitan_bench")
         for r in records:
             figures = r["skipped"] or (f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s"
-                                       + (f", peak {r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "")
+                                       + (f", peak {r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "")
                                        + (f", {r['vs_native']:.2f}x native" if "vs_native" in r else ""))
             print(f"{r['variant']:12s} {figures}")
     else:
