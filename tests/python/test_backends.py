@@ -347,3 +347,29 @@ def test_fused_with_many_experts_and_routes(experts, top_k):
     ref.backward(dy)
     for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs, ref_inputs):
         assert relative_error(got.grad, want.grad) < TOLERANCE, name
+
+
+@requires_cuda
+@pytest.mark.parametrize("recompute", [False, True])  # recompute dispatches bf16 rows of 14 / 16 KB
+@pytest.mark.parametrize("hidden", [7168, 8192])
+def test_fused_at_the_largest_hidden_sizes(hidden, recompute):
+    """H 7168 (DeepSeek-V3 class) and 8192: forward and the four gradients against fp64."""
+    shape = MoEShape(hidden_size=hidden, intermediate_size=256, num_experts=8, top_k=2)
+    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, 200, device="cuda", seed=5)
+    inputs = [leaf(t) for t in (x, weights, w13, w2)]
+    ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
+    y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused", recompute=recompute)
+    ref = reference_moe(ref_inputs[0], ids, *ref_inputs[1:])
+    assert relative_error(y, ref) < TOLERANCE
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs, ref_inputs):
+        assert relative_error(got.grad, want.grad) < TOLERANCE, name
+
+
+@requires_cuda
+def test_fused_refuses_hidden_sizes_above_8192():
+    shape = MoEShape(hidden_size=8320, intermediate_size=128, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="H <= 8192"):
+        megamoe.fused_moe(*megamoe.make_inputs(shape, 16, device="cuda"))

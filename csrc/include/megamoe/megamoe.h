@@ -79,7 +79,7 @@ typedef struct {
   void* pool;            // [max_blocks * 128, row_bytes]
   const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;   // [max_blocks * 128] fp32, or null
-  int32_t row_bytes;     // a multiple of 16, at most 8192 (bf16: 2 * hidden)
+  int32_t row_bytes;     // a multiple of 16 (bf16: 2 * hidden)
 } megamoe_dispatch_args;
 
 typedef struct {

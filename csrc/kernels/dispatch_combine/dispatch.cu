@@ -11,29 +11,33 @@
 
 namespace megamoe {
 namespace {
-constexpr int kMaxVecsPerLane = 16;  // rows up to 32 lanes * 16 * 16 bytes = 8 KB kept in registers
+constexpr int kMaxVecsPerLane = 16;  // 32 lanes * 16 * 16 bytes = 8 KB of a row kept in registers at a time
 
+// A row longer than 8 KB is copied in segments of that size (its slots read once per segment).
 template <int kVecsPerLane>
 __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
                                 const int32_t* __restrict__ route_to_slot, const float* __restrict__ weights,
                                 float* __restrict__ weights_pool, int64_t num_tokens, int32_t top_k,
                                 int32_t vecs_per_row, int64_t warp, int64_t warps) {
+  constexpr int kSegment = 32 * kVecsPerLane;
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp; t < num_tokens; t += warps) {
-    Bf16x8 v[kVecsPerLane];
-#pragma unroll
-    for (int i = 0; i < kVecsPerLane; ++i) {
-      const int c = i * 32 + lane;
-      if (c < vecs_per_row) v[i] = load_readonly(x + t * vecs_per_row + c);
-    }
-    for (int k = 0; k < top_k; ++k) {
-      const int64_t slot = route_to_slot[t * top_k + k];
-      if (slot < 0) continue;  // masked or another rank's expert
-      if (weights_pool != nullptr && lane == 0) weights_pool[slot] = weights[t * top_k + k];
+    for (int segment = 0; segment < vecs_per_row || segment == 0; segment += kSegment) {
+      Bf16x8 v[kVecsPerLane];
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
-        const int c = i * 32 + lane;
-        if (c < vecs_per_row) store(pool + slot * vecs_per_row + c, v[i]);
+        const int c = segment + i * 32 + lane;
+        if (c < vecs_per_row) v[i] = load_readonly(x + t * vecs_per_row + c);
+      }
+      for (int k = 0; k < top_k; ++k) {
+        const int64_t slot = route_to_slot[t * top_k + k];
+        if (slot < 0) continue;  // masked or another rank's expert
+        if (segment == 0 && weights_pool != nullptr && lane == 0) weights_pool[slot] = weights[t * top_k + k];
+#pragma unroll
+        for (int i = 0; i < kVecsPerLane; ++i) {
+          const int c = segment + i * 32 + lane;
+          if (c < vecs_per_row) store(pool + slot * vecs_per_row + c, v[i]);
+        }
       }
     }
   }
@@ -100,10 +104,9 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dispatch_args& a = *args;
   constexpr int kVecBytes = int(sizeof(Bf16x8));
-  if (a.row_bytes <= 0 || a.row_bytes % kVecBytes || a.row_bytes > 32 * kMaxVecsPerLane * kVecBytes) {
+  if (a.row_bytes <= 0 || a.row_bytes % kVecBytes) {
     return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a positive multiple of 16 "
-                            "and at most " + std::to_string(32 * kMaxVecsPerLane * kVecBytes) +
-                            " (bf16 rows: a hidden size that is a multiple of 8, at most 4096)");
+                            "(bf16 rows: a hidden size that is a multiple of 8)");
   }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
