@@ -121,6 +121,7 @@ SIGNATURES = {
     "megamoe_copy_async": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr]),
     "megamoe_quantize_rows_fp8": (ctypes.c_int, [_p(QuantizeFp8Args), _ptr]),
     "megamoe_dequantize_rows_fp8": (ctypes.c_int, [_p(DequantizeFp8Args), _ptr]),
+    "megamoe_quantize_blocks_fp8": (ctypes.c_int, [_p(QuantizeFp8Args), _ptr]),
     "megamoe_grouped_gemm_bf16": _plan_op(GemmArgs),
     "megamoe_grouped_gemm_fp8": _plan_op(GemmFp8Args),
     "megamoe_grouped_gemm_gated_bf16": _plan_op(GatedGemmArgs),

@@ -1,8 +1,8 @@
 """Block-FP8 quantisation of the DeepSeek-V3 recipe: e4m3 values with one fp32 scale per row and 128 K
 values (activations) or per 128 x 128 block (weights), scale = amax / 448 so the block's largest
 magnitude maps to e4m3's largest finite value (a block holding a NaN gets a NaN scale: it stays
-non-finite). Activation rows on a GPU go through the core's kernels (megamoe_quantize_rows_fp8), any
-other tensor through torch ops with the same results."""
+non-finite). Contiguous bf16 tensors on a GPU go through the core's kernels (megamoe_quantize_rows_fp8,
+megamoe_quantize_blocks_fp8), any other tensor through torch ops with the same results."""
 
 from __future__ import annotations
 
@@ -55,6 +55,13 @@ def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e, n, k = b.shape
     if n % BLOCK or k % BLOCK:
         raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
+    if _on_core(b) and b.data_ptr() % 16 == 0:
+        q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=b.device)
+        scales = torch.empty(e, n // BLOCK, k // BLOCK, dtype=torch.float32, device=b.device)
+        _native.call("megamoe_quantize_blocks_fp8", "quantize_blocks",
+                     _native.QuantizeFp8Args(b.data_ptr(), q.data_ptr(), scales.data_ptr(), e * n, k, 0),
+                     _native.stream(b.device))
+        return q, scales
     blocks = b.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scales = _scales(blocks.abs().amax(dim=(2, 4)))
     q = (blocks / scales[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)

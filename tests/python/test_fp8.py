@@ -166,3 +166,17 @@ def test_row_quantization_kernel_equals_the_torch_ops():
     q, s = fp8.quantize_rows(a)
     back = fp8.dequantize_rows(q.cuda(), s.cuda(), torch.bfloat16).cpu()
     assert torch.equal(back.nan_to_num(7.0), fp8.dequantize_rows(q, s, torch.bfloat16).nan_to_num(7.0))
+
+
+@requires_cuda
+def test_block_quantization_kernel_equals_the_torch_ops():
+    """megamoe_quantize_blocks_fp8 (bf16 weights on a GPU) against the torch ops: the same bits and
+    scales, a zero block, a NaN block and an inf block included."""
+    b = (torch.randn(3, 384, 256) * torch.logspace(-3, 3, 384).view(1, 384, 1)).to(torch.bfloat16)
+    b[0, :128, :128] = 0
+    b[1, 200, 10] = float("nan")
+    b[2, 300, 250] = float("inf")
+    q_gpu, s_gpu = fp8.quantize_blocks(b.cuda())
+    q_cpu, s_cpu = fp8.quantize_blocks(b)
+    assert torch.equal(q_gpu.cpu().float().nan_to_num(7.0), q_cpu.float().nan_to_num(7.0))
+    assert torch.equal(s_gpu.cpu().nan_to_num(7.0), s_cpu.nan_to_num(7.0))

@@ -215,6 +215,9 @@ int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gem
 // e4m3 (nearest even, saturating). scales: k-block major [k / 128, rows] (scales_ld = 0: the layout
 // the FP8 GEMMs read) or row major [rows, scales_ld] (scales_ld >= k / 128; columns past k / 128
 // untouched). Dequantisation: a = q · scale rounded to bf16, scales k-block major.
+// megamoe_quantize_blocks_fp8: the weights' recipe on the same arguments, one scale per 128 x 128
+// block: rows a multiple of 128 (E·N for weights [E, N, K]), scales [rows / 128, k / 128] row major
+// (scales_ld 0), a 16-byte and q 8-byte aligned.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* a;      // [rows, k] bf16, 8-byte aligned
@@ -235,6 +238,7 @@ typedef struct {
 
 int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* stream);
 int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream);
+int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.

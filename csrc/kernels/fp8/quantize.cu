@@ -2,6 +2,8 @@
 // row and 128 columns, scale = amax / 448 (1 for an all-zero block; NaN when the block holds a NaN,
 // so the block stays non-finite), q = value / scale rounded to e4m3 (nearest even, saturating).
 // One warp per (row, 128-column block), 4 columns per lane: one 8-byte load, one 4-byte store.
+// The weights' 128 x 128 recipe (as megamoe.fp8.quantize_blocks): one CTA per block, 64 values per
+// thread in registers, so the block is read once.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -50,6 +52,63 @@ quantize_rows(const Bf16x4* __restrict__ a, uint32_t* __restrict__ q, float* __r
                                                                __NV_SATFINITE, __NV_E4M3);
     q[i] = uint32_t(q_lo) | (uint32_t(q_hi) << 16);
     if (lane == 0) scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = scale;
+  }
+}
+
+// One CTA per 128 x 128 block of a [rows, k] matrix: thread t reads 8 columns (one 16-byte load) of
+// rows t / 16 + 16 i, i < 8, and writes their 8 e4m3 bytes.
+constexpr int kBlockThreads = 256;
+constexpr int kRowsPerPass = kBlockThreads / 16;
+
+__global__ void __launch_bounds__(kBlockThreads)
+quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __restrict__ scales, int32_t blocks_k) {
+  const int64_t block = blockIdx.x;
+  const int64_t row0 = (block / blocks_k) * kBlock + threadIdx.x / 16;
+  const int64_t vecs_per_row = int64_t(blocks_k) * kBlock / 8;
+  const int64_t col_vec = (block % blocks_k) * (kBlock / 8) + threadIdx.x % 16;
+  float x[kBlock / kRowsPerPass][8];
+  float amax = 0.f;
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
+    const uint4 v = b[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec];
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j]);
+      x[i][2 * j] = f.x;
+      x[i][2 * j + 1] = f.y;
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      nan |= f.x != f.x || f.y != f.y;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  __shared__ float warp_amax[kBlockThreads / 32];
+  __shared__ int any_nan;
+  if (threadIdx.x == 0) any_nan = 0;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  if (__any_sync(0xffffffffu, nan) && threadIdx.x % 32 == 0) any_nan = 1;
+  __syncthreads();
+  amax = 0.f;
+#pragma unroll
+  for (int w = 0; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+  const float scale = any_nan ? __int_as_float(0x7fffffff) : (amax > 0.f ? amax / kE4m3Max : 1.f);
+  if (threadIdx.x == 0) scales[block] = scale;
+#pragma unroll
+  for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
+    uint32_t packed[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float* v = x[i] + 4 * half;
+      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale),
+                                                               __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale),
+                                                               __NV_SATFINITE, __NV_E4M3);
+      packed[half] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+    q[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = make_uint2(packed[0], packed[1]);
   }
 }
 
@@ -118,6 +177,29 @@ extern "C" int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* ar
   MEGAMOE_RETURN_IF_ERROR(row_blocks(fn, a.a, a.q, a.scales, a.rows, a.k, &grid));
   dequantize_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint32_t*>(a.q), a.scales, static_cast<Bf16x4*>(a.a), a.rows, a.k / kBlock);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
+
+extern "C" int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_quantize_blocks_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_quantize_fp8_args& a = *args;
+  if (a.a == nullptr || a.q == nullptr || a.scales == nullptr) return invalid_argument(fn + "null pointer");
+  if (a.rows < 0 || a.rows % kBlock || a.k <= 0 || a.k % kBlock || a.scales_ld != 0) {
+    return invalid_argument(fn + "need rows and k multiples of 128 and scales_ld 0, got rows " +
+                            std::to_string(a.rows) + ", k " + std::to_string(a.k) + ", scales_ld " +
+                            std::to_string(a.scales_ld));
+  }
+  if (reinterpret_cast<uintptr_t>(a.a) % 16 || reinterpret_cast<uintptr_t>(a.q) % 8) {
+    return invalid_argument(fn + "the bf16 matrix must be 16-byte and the e4m3 one 8-byte aligned");
+  }
+  const int64_t blocks = (a.rows / kBlock) * (a.k / kBlock);
+  if (blocks == 0) return MEGAMOE_OK;
+  if (blocks > INT32_MAX) return invalid_argument(fn + "more than 2^31 blocks of 128 x 128");
+  quantize_blocks<<<unsigned(blocks), kBlockThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(a.a), static_cast<uint2*>(a.q), a.scales, a.k / kBlock);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
