@@ -332,30 +332,16 @@ def test_main_grad_must_be_an_fp32_buffer_of_the_weights_shape(main_grad, messag
 
 
 @requires_cuda
-@pytest.mark.parametrize("experts, top_k", [(1024, 16), (512, 10)])
-def test_fused_with_many_experts_and_routes(experts, top_k):
-    """E up to 1024 and K up to 16: forward and the four gradients against fp64."""
-    shape = MoEShape(hidden_size=256, intermediate_size=128, num_experts=experts, top_k=top_k)
-    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, 300, "skewed", device="cuda", seed=6)
-    inputs = [leaf(t) for t in (x, weights, w13, w2)]
-    ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
-    y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused")
-    ref = reference_moe(ref_inputs[0], ids, *ref_inputs[1:])
-    assert relative_error(y, ref) < TOLERANCE
-    dy = torch.randn_like(ref)
-    y.backward(dy.to(y.dtype))
-    ref.backward(dy)
-    for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs, ref_inputs):
-        assert relative_error(got.grad, want.grad) < TOLERANCE, name
-
-
-@requires_cuda
-@pytest.mark.parametrize("recompute", [False, True])  # recompute dispatches bf16 rows of 14 / 16 KB
-@pytest.mark.parametrize("hidden", [7168, 8192])
-def test_fused_at_the_largest_hidden_sizes(hidden, recompute):
-    """H 7168 (DeepSeek-V3 class) and 8192: forward and the four gradients against fp64."""
-    shape = MoEShape(hidden_size=hidden, intermediate_size=256, num_experts=8, top_k=2)
-    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, 200, device="cuda", seed=5)
+@pytest.mark.parametrize("recompute", [False, True])  # recompute dispatches x again: rows of 14 / 16 KB
+@pytest.mark.parametrize("hidden, experts, top_k, tokens, routing", [
+    (256, 1024, 16, 300, "skewed"), (256, 512, 10, 300, "skewed"),  # E up to 1024, K up to 16
+    (7168, 8, 2, 200, "balanced"), (8192, 8, 2, 200, "balanced"),  # the largest H: DeepSeek-V3 class, 8192
+])
+def test_fused_at_the_largest_sizes(hidden, experts, top_k, tokens, routing, recompute):
+    """The largest H, E and K the fused layer takes: forward and the four gradients against fp64."""
+    shape = MoEShape(hidden_size=hidden, intermediate_size=128 * (1 + hidden // 4096), num_experts=experts,
+                     top_k=top_k)
+    x, ids, weights, w13, w2 = megamoe.make_inputs(shape, tokens, routing, device="cuda", seed=5)
     inputs = [leaf(t) for t in (x, weights, w13, w2)]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
     y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused", recompute=recompute)
