@@ -65,6 +65,8 @@ def build_model(setting: Setting, variant: str, device: torch.device, seed: int)
     with torch.device("meta"):
         model = Qwen3Model(args)
     if variant == "native-fp8":
+        if device.type != "cuda":
+            raise ValueError("TorchTitan's float8 grouped GEMMs need a CUDA GPU")
         _float8(model, setting)
     elif VARIANTS[variant] is not None:
         convert_moe_layers(model, backend=setting.backend, precision=VARIANTS[variant])
