@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native
@@ -92,9 +93,11 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # step and shared by every micro-batch's forward and by the backward. An entry is keyed on the weight
 # tensor itself, by identity, and lives as long as it: torch.utils.weak.WeakIdKeyDictionary, because
 # weakref.WeakKeyDictionary compares keys with ==, which a tensor answers elementwise. An entry is
-# valid while the weight's version counter (bumped by every in-place update: optimizer.step(),
-# copy_(), add_()), storage, shape, strides, dtype and device are those it was made from; a stale
-# entry is replaced by the next call.
+# valid while the weight's version counter (bumped by in-place updates through torch ops: copy_(),
+# add_(), the foreach and for-loop optimizers), storage, shape, strides, dtype and device are those
+# it was made from; a stale entry is replaced by the next call. The fused optimizers
+# (torch.optim.AdamW(fused=True)) update parameters without bumping their version counters, so every
+# torch.optim optimizer's step also drops all cached copies (a global step hook).
 
 
 @dataclasses.dataclass(eq=False)
@@ -170,3 +173,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 def clear_weight_cache() -> None:
     """Drops every cached copy (their memory returns to the caching allocator)."""
     _CACHE.clear()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    clear_weight_cache()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)

@@ -95,12 +95,19 @@ def test_an_in_place_update_invalidates_the_copy(empty_cache):
     assert fp8.quantized_weight(w) is not after
 
 
-def test_a_parameter_updated_by_an_optimizer_gets_a_new_copy(empty_cache):
+@pytest.mark.parametrize("optimizer", [
+    lambda w: torch.optim.SGD([w], lr=0.1),
+    lambda w: torch.optim.AdamW([w], lr=0.1, foreach=True),
+    lambda w: torch.optim.AdamW([w], lr=0.1, fused=True),  # updates w without bumping its version
+])
+def test_a_parameter_updated_by_an_optimizer_gets_a_new_copy(empty_cache, optimizer):
     w = torch.nn.Parameter(torch.randn(1, 128, 128))
     before = fp8.quantized_weight(w)
     w.grad = torch.ones_like(w)
-    torch.optim.SGD([w], lr=0.1).step()
-    assert fp8.quantized_weight(w) is not before
+    optimizer(w).step()
+    after = fp8.quantized_weight(w)
+    assert after is not before
+    assert torch.equal(after.q.float(), fp8.quantize_blocks(w.detach())[0].float())
 
 
 def test_each_weight_has_its_own_copy_and_a_freed_weight_frees_it(empty_cache):
