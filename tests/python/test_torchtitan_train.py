@@ -45,3 +45,9 @@ def test_parity_compares_with_a_measured_noise_floor(tmp_path):
     result = json.loads((tmp_path / "torchtitan_parity_latest.json").read_text())
     assert [c["name"] for c in result["curves"]] == ["native", "native (perturbed init 1)", "megamoe"]
     assert result["comparisons"][0]["within_tolerance"]
+
+
+def test_compile_applies_torchtitans_per_block_compile():
+    setting = harness.Setting("debugmodel_moe", 2, 64, 1, "full", True, "grouped")
+    model = harness.build_model(setting, "megamoe", torch.device("cpu"), seed=0)
+    assert any(type(m) is torch._dynamo.eval_frame.OptimizedModule for m in model.modules())

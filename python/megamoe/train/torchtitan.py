@@ -76,7 +76,7 @@ def build_model(setting: Setting, variant: str, device: torch.device, seed: int)
         apply_ac(model, job.activation_checkpoint)
     if setting.compile:
         from torchtitan.models.llama4.infra.parallelize import apply_compile
-        apply_compile(model, job.compile)
+        apply_compile(model, job.compile, ep_enabled=False)
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
