@@ -3,6 +3,7 @@
 their JSON. Skipped without torchtitan 0.2; the timed GPU runs are the module's own job."""
 
 import copy
+import importlib.util
 import json
 
 import pytest
@@ -36,6 +37,8 @@ def test_bench_times_each_variant(tmp_path):
     assert records["native"]["vs_native"] == 1.0 and records["megamoe"]["step_ms"] > 0
     assert "CUDA GPU" in records["native-fp8"]["skipped"]
     assert result["setting"]["activation_checkpoint"] == "full"
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "torchtitan_bench_latest.png").exists() == has_matplotlib
     # Both start from the same weights and data: their first losses agree.
     assert records["megamoe"]["losses"][0] == pytest.approx(records["native"]["losses"][0], rel=1e-3)
 

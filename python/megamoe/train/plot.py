@@ -1,4 +1,4 @@
-"""Loss-curve PNGs (matplotlib, an optional extra: `pip install ".[plot]"`)."""
+"""Loss-curve and step-time PNGs (matplotlib, an optional extra: `pip install ".[plot]"`)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,26 @@ def write_parity_plot(curves: Mapping[str, Sequence[float]], reference: str, pat
     bottom.axhline(0, color="gray", linewidth=0.5)
     bottom.set(xlabel="step", ylabel="loss difference")
     bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_step_plot(records: Sequence[Mapping], path: Path, title: str) -> None:
+    """Tokens/s of each timed record (`variant` or `backend` / `precision`), with its step time and peak
+    memory written beside the bar; skipped records are left out."""
+    plt = _pyplot()
+    timed = [r for r in records if not r.get("skipped")]
+    names = [r.get("variant") or f"{r['backend']} {r['precision']}" for r in timed]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(timed)))
+    bars = ax.barh(names, [r["tokens_per_s"] for r in timed], color=[f"C{i}" for i in range(len(timed))])
+    for bar, r in zip(bars, timed):
+        memory = f", peak {r['peak_mem_gb']:.1f} GB" if r.get("peak_mem_gb") is not None else ""
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['step_ms']:.0f} ms/step{memory}",
+                va="center")
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens/s", title=title)
+    ax.set_xlim(0, 1.45 * max(r["tokens_per_s"] for r in timed))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -5,7 +5,7 @@ activation checkpointing; synthetic phrase-book data (megamoe.train.data).
 
   bench   the reference setting: a flavour at a depth that fits one GPU (default 30B-A3B with 4
           layers), 16384-token sequences, full activation checkpointing. Step time, tokens/s and peak
-          memory of each variant: native (TorchTitan's experts, bf16), native-fp8 (TorchTitan's float8
+          memory of each variant (and a PNG of them): native (TorchTitan's experts, bf16), native-fp8 (TorchTitan's float8
           grouped-GEMM converter; needs torchao), megamoe, megamoe-fp8; a variant that cannot run is
           recorded as skipped, with the reason. Writes torchtitan_bench_latest.json.
   parity  loss curves of the debug MoE model, TorchTitan's experts vs megamoe's, from the same weights
@@ -31,7 +31,7 @@ from .bench import BenchRecord, time_steps
 from .config import DataConfig
 from .data import SyntheticCorpus
 from .parity import NOISE_RUNS, PERTURBED_SUFFIX, Curve, compare, judge, perturb_weights
-from .plot import write_if_plotting, write_parity_plot
+from .plot import write_if_plotting, write_parity_plot, write_step_plot
 from .results import environment, write_result
 
 VARIANTS = {"native": None, "native-fp8": None, "megamoe": "bf16", "megamoe-fp8": "fp8"}  # megamoe's precision
@@ -218,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {**environment(device, "megamoe.train.torchtitan", argv), "setting": dataclasses.asdict(setting),
                   "records": records}
         path = write_result(result, args.out, "torchtitan_bench")
+        write_if_plotting(write_step_plot, path.with_suffix(".png"), records,
+                          title=f"TorchTitan {flavor}, {setting.layers} layers, {setting.batch_size}×{setting.seq_len} "
+                                f"tokens/step, AC {setting.activation_checkpoint}")
         for r in records:
             figures = r["skipped"] or (f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s"
                                        + (f", peak {r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "")
