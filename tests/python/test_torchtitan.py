@@ -16,6 +16,7 @@ from torchtitan.models.qwen3 import model_registry  # noqa: E402
 from megamoe.reference import relative_error  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
+from fsdp_sharding import check_fully_shard  # noqa: E402
 
 OVERRIDE = "megamoe.torchtitan.megamoe_experts"
 
@@ -127,3 +128,14 @@ def test_refusals():
     with pytest.raises(ValueError, match="do not serve EP parallelism"):
         module.parallelize(Dims())
     assert isinstance(GroupedExperts.Config, type) and isinstance(RoutedExperts.Config, type)
+
+
+def _overridden_layer() -> MoE:
+    module = _with_megamoe(_moe_config(), backend="grouped").build()
+    module.init_states()
+    return module
+
+
+def test_fully_shard_shards_megamoes_experts_as_torchtitans(tmp_path):
+    """FSDP2 over 2 CPU processes on an overridden MoE layer: the same output and gradients as unsharded."""
+    check_fully_shard(_overridden_layer, (2, 24, 64), tmp_path)

@@ -15,6 +15,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs  # noqa: E402
 from megamoe.reference import relative_error  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
+from fsdp_sharding import check_fully_shard  # noqa: E402
 from megamoe.torchtitan_converter import (MegaMoEConverter, MegaMoEGroupedExperts, MegaMoELayer,  # noqa: E402
                                           convert_moe_layers)
 
@@ -84,3 +85,15 @@ def test_refusals():
         ep, tp = 2, 1
     with pytest.raises(ValueError, match="do not serve expert parallelism"):
         MegaMoEConverter(None, Dims())
+
+
+def _converted_layer() -> MoE:
+    torch.histc = lambda ids, bins, min, max: torch.bincount(ids, minlength=bins)  # no int64 CPU histc
+    layer = _layer(shared=1)
+    convert_moe_layers(layer, backend="grouped")
+    return layer
+
+
+def test_fully_shard_shards_megamoes_experts_as_torchtitans(tmp_path):
+    """FSDP2 over 2 CPU processes on a converted layer: the same output and gradients as unsharded."""
+    check_fully_shard(_converted_layer, (2, 24, 128), tmp_path)

@@ -1,0 +1,42 @@
+"""FSDP2 (`fully_shard`) on a module with megamoe's experts, over W CPU processes (gloo): the sharded
+module's output and parameter gradients equal the unsharded module's. Every rank runs the same batch,
+so the gradient FSDP averages over the ranks is the one-process gradient."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _sharded_matches_unsharded(rank: int, world: int, store: str, build: Callable[[], torch.nn.Module],
+                               input_shape: tuple[int, ...]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    module = build()
+    unsharded = copy.deepcopy(module)
+    fully_shard(module, mesh=init_device_mesh("cpu", (world,)))
+    x = torch.randn(input_shape)
+    outputs = {}
+    for name, m in (("sharded", module), ("unsharded", unsharded)):
+        y = m(x)
+        y.float().square().mean().backward()
+        grads = {key: p.grad.full_tensor() if name == "sharded" else p.grad for key, p in m.named_parameters()}
+        outputs[name] = (y, grads)
+    assert torch.equal(outputs["sharded"][0], outputs["unsharded"][0])
+    assert outputs["sharded"][1].keys() == outputs["unsharded"][1].keys()
+    for key, grad in outputs["unsharded"][1].items():
+        torch.testing.assert_close(outputs["sharded"][1][key], grad, rtol=1e-5, atol=1e-7, msg=key)
+    dist.destroy_process_group()
+
+
+def check_fully_shard(build: Callable[[], torch.nn.Module], input_shape: tuple[int, ...], tmp_path, world: int = 2):
+    """build(): the module, on the CPU (a module-level function, so the spawned processes can import it)."""
+    mp.spawn(_sharded_matches_unsharded, args=(world, str(tmp_path / "store"), build, input_shape), nprocs=world,
+             join=True)
