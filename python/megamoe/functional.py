@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from .activation import check_activation
 from .backends import grouped_moe, naive_moe
 from .expert_parallel_group import group_moe
 from .fused import fused_moe_autograd
-from .validation import (BACKENDS, check_backend_precision, check_fused_support, check_moe_inputs, check_precision,
-                         check_recompute)
+from .validation import check_fused_support, check_moe_inputs, check_options
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
@@ -26,19 +24,10 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     recompute (fused only): keep nothing but the inputs for the backward, and gather x and
     recompute z = x·w13ᵀ there, instead of keeping the pool of x and z from the forward
     (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_activation(activation)
-    check_recompute(backend, recompute)
-    check_precision(precision, x.device if hasattr(x, "device") else None)
+    check_options(backend, precision, recompute, activation, group)
     # The fused op checks the ids' range on the GPU (validation.IdRangeCheck), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
                                check_id_range=not (backend == "fused" and getattr(topk_ids, "is_cuda", False)))
-    check_backend_precision(backend, precision, group)
-    if group is not None and (backend != "fused" or recompute):
-        raise NotImplementedError(
-            "expert parallelism over a process group runs backend='fused' with recompute=False; "
-            f"got backend={backend!r}, recompute={recompute}")
     if backend == "fused":
         check_fused_support(x, problem.hidden_size, problem.intermediate_size)
         if group is not None:

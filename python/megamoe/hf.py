@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .functional import moe
-from .validation import BACKENDS, FLOAT_DTYPES, check_precision, check_recompute
+from .validation import FLOAT_DTYPES, check_options
 
 # The decorator's flags that mark an experts module, with the values of megamoe's layout.
 _EXPECTED_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
@@ -135,9 +135,7 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     computing its router logits, aux loss and shared experts itself. Patching again switches the
     backend. Returns model.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_recompute(backend, recompute)
+    check_options(backend, precision, recompute)
     served, refused = experts_modules(model)
     if not served:
         why = "".join(f"; {name}: {reason}" for name, _, reason in refused) or "; it has no experts module"
@@ -145,7 +143,6 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
                         f"(Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...); {type(model).__name__} has none{why}")
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")
-    check_precision(precision, served[0][1].gate_up_proj.device)
     implementation = _register(backend, precision, recompute)
     for _, experts, _ in served + refused:  # what a module megamoe leaves alone keeps running
         if _FALLBACK not in vars(experts):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .activation import check_activation
 from .functional import moe
 from .router import route
-from .validation import BACKENDS, PRECISIONS, check_recompute, group_rank_and_size
+from .validation import check_options, group_rank_and_size
 
 
 class MoELayer(nn.Module):
@@ -46,12 +45,8 @@ class MoELayer(nn.Module):
                  activation: str = "swiglu", shared_expert_intermediate_size: int = 0,
                  shared_expert_gate: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        check_recompute(backend, recompute)
-        self.activation = check_activation(activation)
+        check_options(backend, precision, recompute, activation, group)
+        self.activation = activation
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
         self.num_shared = _shared_slices(shared_expert_intermediate_size, moe_intermediate_size, shared_expert_gate,

@@ -28,9 +28,8 @@ from torch import nn
 from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
-from .activation import check_activation
 from .torchtitan_layout import checkpoint_split, routed_experts
-from .validation import BACKENDS, check_backend_precision, check_fused_precision, check_recompute
+from .validation import check_options
 
 __all__ = ["MegaMoEExperts", "MegaMoERoutedExperts", "megamoe_experts"]
 
@@ -103,13 +102,7 @@ def megamoe_experts(cfg: RoutedExperts.Config, *, backend: str = "fused", precis
         raise ValueError(f"megamoe serves TorchTitan's SwiGLU GroupedExperts inside RoutedExperts; this model's "
                          f"experts are {type(cfg).__qualname__} with {type(cfg.inner_experts).__qualname__}. "
                          "Leave megamoe.torchtitan.megamoe_experts out of --override.imports for it")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_activation(activation)
-    check_recompute(backend, recompute)
-    check_backend_precision(backend, precision)
-    if backend == "fused":
-        check_fused_precision(precision)
+    check_options(backend, precision, recompute, activation)
     inner = cfg.inner_experts
     param_init = inner.param_init
     if param_init is not None:

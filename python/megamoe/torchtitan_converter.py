@@ -22,6 +22,7 @@ from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model_converter import register_model_converter
 
 from .torchtitan_layout import checkpoint_split, routed_experts
+from .validation import check_options
 
 __all__ = ["MegaMoEConverter", "MegaMoEGroupedExperts", "MegaMoELayer", "convert_moe_layers"]
 
@@ -66,6 +67,7 @@ class MegaMoELayer(MoE):
 def convert_moe_layers(model: nn.Module, **options) -> int:
     """Converts every TorchTitan MoE layer of `model` in place; options: megamoe.moe's backend,
     precision, recompute, activation. Returns how many layers it converted."""
+    check_options(**{"backend": "fused", **options})
     layers = [m for m in model.modules() if type(m) is MoE]
     if not layers:
         raise ValueError("megamoe found no torchtitan.models.moe.MoE layer in this model; leave the megamoe "

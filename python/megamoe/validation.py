@@ -1,4 +1,5 @@
-"""Input checks: a clear exception before any kernel runs. check_moe_inputs serves every backend;
+"""Input checks: a clear exception before any kernel runs. check_options checks the options of every
+entry point (backend, precision, recompute, activation, group), check_moe_inputs the tensors of every backend;
 check_fused_support, main_grad_of and IdRangeCheck (the fused op checks the ids' range on the GPU,
 after its launches are queued) serve the fused kernels on one rank and over a process group."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from .activation import check_activation
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 # What the fused kernels compute: bf16, block FP8 forward and backward, or a bf16 forward with an FP8 backward.
@@ -46,35 +49,35 @@ def id_range_message(num_experts: int, got: str) -> str:
     return f"topk_ids must lie in [-1, {num_experts}) (-1 = masked route), got {got}"
 
 
-def check_recompute(backend: str, recompute: bool) -> None:
-    """recompute is the fused op's own activation checkpointing; the baselines have none."""
+def check_options(backend: str, precision: str = "bf16", recompute: bool = False, activation: str = "swiglu",
+                  group=None) -> None:
+    """The options every entry point takes (megamoe.moe, MoELayer, patch_hf_model, the TorchTitan
+    adapters), checked in one order with one set of messages, before any tensor is looked at."""
+    _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+    _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
+    _require(precision != "mxfp8", "precision='mxfp8' needs Blackwell (sm_100) block-scaled tensor cores, which "
+             "megamoe's sm_90a kernels do not use; on Hopper use precision='fp8' (1x128 / 128x128 block scales)",
+             NotImplementedError)
+    check_activation(activation)
+    # recompute is the fused op's own activation checkpointing; the baselines have none.
     _require(not recompute or backend == "fused",
              f"recompute=True needs backend='fused' (the fused backend's own recomputation), got "
              f"backend={backend!r}, which keeps what autograd saves: wrap it in torch.utils.checkpoint instead")
-
-
-def check_precision(precision: str, device: torch.device) -> None:
-    _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "mxfp8":
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        _require(capability is not None and capability[0] >= 10,
-                 "precision='mxfp8' needs Blackwell (sm_100) block-scaled tensor cores; "
-                 "on Hopper use precision='fp8' (1x128 / 128x128 block scales)", NotImplementedError)
+    # Block FP8 runs in the fused kernels on one rank; the baselines compute in bf16.
+    _require(precision == "bf16" or backend == "fused",
+             f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); backend={backend!r} "
+             "computes in bf16: pass precision='bf16'", NotImplementedError)
+    if group is not None:
+        _require(precision == "bf16", f"precision={precision!r} with expert parallelism (group=) is not implemented "
+                 "yet; use precision='bf16' with group=, or precision='fp8' on one rank", NotImplementedError)
+        _require(backend == "fused" and not recompute,
+                 "expert parallelism over a process group runs backend='fused' with recompute=False; "
+                 f"got backend={backend!r}, recompute={recompute}", NotImplementedError)
 
 
 def check_fused_precision(precision: str) -> None:
     _require(precision in FUSED_PRECISIONS,
              f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
-
-
-def check_backend_precision(backend: str, precision: str, group=None) -> None:
-    """Block FP8 runs in the fused kernels on one rank; the baselines compute in bf16."""
-    if precision == "bf16":
-        return
-    _require(backend == "fused", f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); "
-             f"backend={backend!r} computes in bf16: pass precision='bf16'", NotImplementedError)
-    _require(group is None, f"precision={precision!r} with expert parallelism (group=) is not implemented yet; "
-             "use precision='bf16' with group=, or precision='fp8' on one rank", NotImplementedError)
 
 
 def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id_range=True) -> MoEProblem:

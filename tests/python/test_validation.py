@@ -74,16 +74,25 @@ def test_mixed_devices():
         megamoe.moe(*inputs, backend="grouped")
 
 
-def test_unknown_backend_and_precision():
-    with pytest.raises(ValueError, match="backend must be one of"):
-        megamoe.moe(*good_inputs(), backend="magic")
-    with pytest.raises(ValueError, match="precision must be one of"):
-        megamoe.moe(*good_inputs(), backend="grouped", precision="int4")
+BAD_OPTIONS = {
+    "backend": (dict(backend="magic"), ValueError, "backend must be one of"),
+    "precision": (dict(backend="grouped", precision="int4"), ValueError, "precision must be one of"),
+    "mxfp8": (dict(backend="fused", precision="mxfp8"), NotImplementedError, "on Hopper use precision='fp8'"),
+    "activation": (dict(backend="grouped", activation="bogus"), ValueError, "activation must be one of"),
+    "recompute": (dict(backend="grouped", recompute=True), ValueError, "recompute=True needs backend='fused'"),
+    "fp8_baseline": (dict(backend="naive", precision="fp8"), NotImplementedError, "runs in backend='fused'"),
+}
 
 
-def test_mxfp8_names_the_hopper_alternative():
-    with pytest.raises(NotImplementedError, match="on Hopper use precision='fp8'"):
-        megamoe.moe(*good_inputs(), backend="fused", precision="mxfp8")
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+def test_every_entry_point_refuses_bad_options_alike(case):
+    """megamoe.moe and MoELayer (and, in their own tests, patch_hf_model and the TorchTitan adapters) check
+    the options through one function: the same exception and message from each."""
+    options, error, message = BAD_OPTIONS[case]
+    with pytest.raises(error, match=re.escape(message)):
+        megamoe.moe(*good_inputs(), **options)
+    with pytest.raises(error, match=re.escape(message)):
+        megamoe.MoELayer(SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.num_experts, SHAPE.top_k, **options)
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
