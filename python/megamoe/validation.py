@@ -125,8 +125,9 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id
                       num_experts=num_experts, expert_begin=rank * num_local)
 
 
-# Sizes the kernels take: H and I are tile multiples; H up to the largest size the tests cover.
-SIZE_MULTIPLE = 128
+# Sizes the fused layer takes: H and I multiples of 8 (16-byte bf16 rows; sizes that are not tile
+# multiples are zero-padded to them, megamoe/tile_padding.py); H up to the largest size the tests cover.
+SIZE_MULTIPLE = 8
 MAX_HIDDEN = 8192
 
 
@@ -143,7 +144,7 @@ def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None
         raise TypeError(f"backend='fused' computes in bfloat16, got x, w13, w2 in {x.dtype}")
     if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE or hidden > MAX_HIDDEN:
         raise ValueError(
-            f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (the GEMM tiles) and "
+            f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (16-byte bf16 rows) and "
             f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
 
 

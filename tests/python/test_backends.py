@@ -341,10 +341,28 @@ def test_fused_at_the_largest_sizes(hidden, experts, top_k, tokens, routing, rec
     """The largest H, E and K the fused layer takes: forward and the four gradients against fp64."""
     shape = MoEShape(hidden_size=hidden, intermediate_size=128 * (1 + hidden // 4096), num_experts=experts,
                      top_k=top_k)
+    check_fused_against_fp64(shape, tokens, routing, recompute=recompute)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 17, 512])
+@pytest.mark.parametrize("hidden, inter, experts, top_k", [
+    (7168, 2048, 48, 8),  # DeepSeek-V3 class, one rank of 8
+    (6144, 16384, 8, 2),  # few large experts
+    (2880, 2880, 32, 4),  # sizes that are not multiples of 128 (gpt-oss): zero-padded to them
+    (2048, 512, 512, 10),  # many small experts
+])
+def test_fused_at_each_model_class(hidden, inter, experts, top_k, tokens):
+    """The model classes the presets stand for, from one token up: forward and four gradients against fp64."""
+    shape = MoEShape(hidden_size=hidden, intermediate_size=inter, num_experts=experts, top_k=top_k)
+    check_fused_against_fp64(shape, tokens, "balanced")
+
+
+def check_fused_against_fp64(shape: MoEShape, tokens: int, routing: str, **options) -> None:
     x, ids, weights, w13, w2 = megamoe.make_inputs(shape, tokens, routing, device="cuda", seed=5)
     inputs = [leaf(t) for t in (x, weights, w13, w2)]
     ref_inputs = [leaf(t, torch.float64) for t in (x, weights, w13, w2)]
-    y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused", recompute=recompute)
+    y = megamoe.moe(*inputs[:1], ids, *inputs[1:], backend="fused", **options)
     ref = reference_moe(ref_inputs[0], ids, *ref_inputs[1:])
     assert relative_error(y, ref) < TOLERANCE
     dy = torch.randn_like(ref)

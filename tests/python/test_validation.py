@@ -109,8 +109,8 @@ def test_fused_on_cpu_names_the_alternative():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_rejects_unsupported_sizes():
-    shape = MoEShape(hidden_size=192, intermediate_size=128, num_experts=4, top_k=2)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    shape = MoEShape(hidden_size=196, intermediate_size=128, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match=r"multiples of 8 \(16-byte bf16 rows\).*got H = 196"):
         megamoe.fused_moe(*megamoe.make_inputs(shape, 16, device="cuda"))
     with pytest.raises(TypeError, match="computes in bfloat16"):
         megamoe.fused_moe(*megamoe.make_inputs(SHAPE, 16, device="cuda", dtype=torch.float16))
