@@ -8,6 +8,8 @@ import pytest
 
 from megamoe.shapes import PRESETS
 
+from conftest import requires_cuda
+
 pytest.importorskip("transformers")
 
 from megamoe.train import ConfigError, load_config, train  # noqa: E402 (needs transformers)
@@ -312,3 +314,21 @@ def test_parity_records_precisions_and_skips_what_has_no_path_at_one(tmp_path, m
     assert pairs == [("grouped", "bf16", "naive"), ("fused", "bf16", "naive"), ("fused/fp8", "fp8", "naive"),
                      ("fused/fp8", "fp8", "fused")]
     assert all(c["within_tolerance"] for c in result["comparisons"]) and code == 0
+
+
+@requires_cuda
+def test_bench_profile_records_a_steps_kernels(tmp_path):
+    assert bench.main(["--config", str(TINY), "--set", "train.device=cuda", "--backends", "fused", "--warmup", "1",
+                       "--warmup-seconds", "0", "--steps", "1", "--profile", "--out", str(tmp_path)]) == 0
+    (record,) = json.loads((tmp_path / "train_latest.json").read_text())["records"]
+    profile = record["profile"]
+    assert 0 < profile["kernel_ms"] and profile["idle_ms"] >= 0
+    assert len(profile["kernels"]) == bench.PROFILED_KERNELS
+    assert any("grouped_gemm_kernel" in k["name"] for k in profile["kernels"])  # the fused layer's GEMMs
+
+
+def test_bench_profile_leaves_cpu_records_without_one(tmp_path):
+    assert bench.main(["--config", str(TINY), *CPU, "--backends", "grouped", "--warmup", "0", "--warmup-seconds", "0",
+                       "--steps", "1", "--profile", "--out", str(tmp_path)]) == 0
+    (record,) = json.loads((tmp_path / "train_latest.json").read_text())["records"]
+    assert record["step_ms"] > 0 and record["profile"] is None

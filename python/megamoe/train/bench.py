@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megamoe.bench.profile import gpu_events, idle_gaps, kernel_times, short_name
 from megamoe.bench.report import add_out_argument
 from megamoe.bench.timing import SUSTAINED_WARMUP_S, Device
 from megamoe.hf import patch_hf_model
@@ -31,6 +32,7 @@ from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
 
 DEFAULT_CONFIG = "configs/qwen3-30b-a3b-small.toml"
+PROFILED_KERNELS = 25  # --profile: the longest kernels of a step kept in the record
 
 
 @dataclasses.dataclass
@@ -44,6 +46,7 @@ class BenchRecord:
     vs_grouped: float | None = None  # grouped's (bf16) step time / this one's: > 1 is faster than grouped
     peak_mem_gb: float | None = None  # device memory at the peak of a step (GPU only)
     warmup_steps: int | None = None  # untimed steps run: --warmup at least, and --warmup-seconds of them
+    profile: dict | None = None  # with --profile: one more step's GPU time, kernel by kernel (GPU only)
     losses: list[float] = dataclasses.field(default_factory=list)  # warm-up and timed steps
 
 
@@ -76,9 +79,21 @@ def time_steps(record: BenchRecord, step: Callable[[int], float], tokens: int, w
         record.peak_mem_gb = torch.cuda.max_memory_allocated(device.device) / 1e9
 
 
+def profile_step(step: Callable[[int], float]) -> dict:
+    """Two more steps under torch.profiler, the second one's GPU time kernel by kernel (the
+    PROFILED_KERNELS longest, µs summed over their launches), the kernels' total and the GPU's idle
+    time between kernels (the first step's events are dropped, as megamoe.bench.profile drops them)."""
+    events = gpu_events(lambda: step(0), 1)
+    times = sorted(kernel_times(events, 1).items(), key=lambda item: -item[1][0])
+    return {"kernel_ms": sum(us for _, (us, _) in times) / 1e3,
+            "idle_ms": sum(idle_gaps(events, 1).values()) / 1e3,
+            "kernels": [{"name": short_name(name), "us": us, "launches": count}
+                        for name, (us, count) in times[:PROFILED_KERNELS]]}
+
+
 def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, warmup_seconds: float,
-                  steps: int, device: Device, precision: str | None = None) -> BenchRecord:
-    """precision None: the config's."""
+                  steps: int, device: Device, precision: str | None = None, profile: bool = False) -> BenchRecord:
+    """precision None: the config's; profile: also profile_step."""
     config = trainer.config
     record = BenchRecord(backend, precision or config.moe.precision)
     record.skipped = backend_cannot_run(backend, record.precision)
@@ -93,6 +108,8 @@ def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmu
     try:
         time_steps(record, step, config.train.batch_size * config.train.seq_len, warmup, warmup_seconds, steps,
                    device)
+        if profile and device.is_cuda:
+            record.profile = profile_step(step)
     except BACKEND_CANNOT_RUN as error:
         record.skipped = f"{type(error).__name__}: {error}"
         trainer.optimizer.zero_grad(set_to_none=True)  # drop what the failed step left behind
@@ -101,7 +118,7 @@ def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmu
 
 
 def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_seconds: float,
-              steps: int, precisions: Sequence[str] | None = None) -> list[BenchRecord]:
+              steps: int, precisions: Sequence[str] | None = None, profile: bool = False) -> list[BenchRecord]:
     """One record per precision (None: the config's) and backend, in that order."""
     trainer = Trainer(config)
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
@@ -111,7 +128,8 @@ def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_secon
         for backend in backends:
             print(f"{backend}/{precision}: >= {warmup} warm-up steps and {warmup_seconds:g} s, {steps} timed steps",
                   file=sys.stderr, flush=True)
-            records.append(bench_backend(trainer, corpus, backend, warmup, warmup_seconds, steps, device, precision))
+            records.append(bench_backend(trainer, corpus, backend, warmup, warmup_seconds, steps, device, precision,
+                                         profile))
     grouped = next((r for r in records if r.backend == "grouped" and r.precision == "bf16" and r.step_ms), None)
     for r in records:
         if grouped and r.step_ms:
@@ -129,6 +147,10 @@ def print_table(records: Sequence[BenchRecord], tokens: int) -> None:
         mem = f"{r.peak_mem_gb:.1f}" if r.peak_mem_gb is not None else "-"
         ratio = f"{r.vs_grouped:.2f}" if r.vs_grouped is not None else "-"
         print(f"{r.backend:<10}{r.precision:<9}{r.step_ms:>10.1f}{r.tokens_per_s:>12,.0f}{ratio:>11}{mem:>8}")
+        if r.profile:
+            print(f"    {r.profile['kernel_ms']:.1f} ms of kernels, {r.profile['idle_ms']:.1f} ms idle; the longest:")
+            for k in r.profile["kernels"][:8]:
+                print(f"    {k['us'] / 1e3:8.2f} ms  {k['launches']:4d}x  {k['name'][:80]}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precision", nargs="+", choices=TRAINABLE_PRECISIONS, default=None,
                         help="the experts' precision(s), a row each (default: the config's [moe].precision); "
                              "fp8 and fp8_bwd run on backend fused")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after the timed steps, profile one more (GPU): its {PROFILED_KERNELS} longest kernels "
+                             "into the record and the table")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
@@ -152,9 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The learning-rate schedule spans the counted steps; a warm-up that runs longer by time
         # continues at the schedule's final rate (the step time does not depend on it).
         precisions = list(dict.fromkeys(args.precision)) if args.precision else None
-        total_steps = len(args.backends) * len(precisions or [None]) * (args.warmup + args.steps)
+        total_steps = len(args.backends) * len(precisions or [None]) * (args.warmup + args.steps + 2 * args.profile)
         config = load_config(args.config, args.set + [f"train.steps={total_steps}"])
-        records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps, precisions)
+        records = run_bench(config, args.backends, args.warmup, args.warmup_seconds, args.steps, precisions,
+                            args.profile)
     except ConfigError as error:
         parser.error(str(error))
     tokens = config.train.batch_size * config.train.seq_len

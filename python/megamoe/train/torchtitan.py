@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megamoe.bench.report import add_out_argument
 from megamoe.bench.timing import SUSTAINED_WARMUP_S, Device
 
-from .bench import BenchRecord, time_steps
+from .bench import PROFILED_KERNELS, BenchRecord, profile_step, time_steps
 from .config import DataConfig
 from .data import SyntheticCorpus
 from .parity import NOISE_RUNS, PERTURBED_SUFFIX, Curve, compare, judge, perturb_weights
@@ -116,7 +116,7 @@ def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def bench(setting: Setting, variants: Sequence[str], device: torch.device, steps: int, warmup: int,
-          warmup_seconds: float, lr: float) -> list[dict]:
+          warmup_seconds: float, lr: float, profile: bool = False) -> list[dict]:
     corpus = SyntheticCorpus(DataConfig(), _vocab(setting), seed=0)
     timer = Device(device)
     records = []
@@ -131,6 +131,8 @@ def bench(setting: Setting, variants: Sequence[str], device: torch.device, steps
                 return train_step(model, optimizer, batch)  # .item(): the step has finished
 
             time_steps(record, step, setting.batch_size * setting.seq_len, warmup, warmup_seconds, steps, timer)
+            if profile and timer.is_cuda:
+                record.profile = profile_step(step)
         except (ImportError, NotImplementedError, ValueError, torch.OutOfMemoryError) as error:
             record.skipped = f"{type(error).__name__}: {str(error)[:300]}"
         model = optimizer = None
@@ -196,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps, at least")
     parser.add_argument("--warmup-seconds", type=float, default=SUSTAINED_WARMUP_S,
                         help="bench: and at least this long (the GPU at its sustained clock)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"bench: after the timed steps, profile one more (GPU): its {PROFILED_KERNELS} longest "
+                             "kernels into the record")
     parser.add_argument("--noise-runs", type=int, default=NOISE_RUNS, help="parity: perturbed reference runs")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -214,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.compile, args.backend)
     device = torch.device(args.device)
     if bench_mode:
-        records = bench(setting, args.variants, device, args.steps or 10, args.warmup, args.warmup_seconds, args.lr)
+        records = bench(setting, args.variants, device, args.steps or 10, args.warmup, args.warmup_seconds, args.lr,
+                        args.profile)
         result = {**environment(device, "megamoe.train.torchtitan", argv), "setting": dataclasses.asdict(setting),
                   "records": records}
         path = write_result(result, args.out, "torchtitan_bench")
