@@ -1,5 +1,7 @@
 """Expert-parallel mode: the fused layer over a process group of W ranks against the same layer on
-one GPU, for one global batch of tokens.
+one GPU and against the TorchTitan-style all-to-all path over the same group
+(megamoe/backends/all_to_all.py: all-to-all dispatch, grouped GEMMs, all-to-all combine), for one
+global batch of tokens.
 
     python -m megamoe.bench.ep [--preset ...] [--tokens ...] [--world W] [--one-gpu] [--out DIR]
 
@@ -10,6 +12,8 @@ routes tokens / W tokens over all E experts and holds E / W of them. Every rank 
 on the numbers of warm-up and timed iterations that fill --warmup-seconds and --budget, so the layer
 is timed sustained, as in `python -m megamoe.bench`. A layer's time is the slowest rank's median.
 Rank 0 first times the single-GPU fused layer on the whole batch with the same routing (sustained).
+The all-to-all path needs a backend whose all-to-all takes the tensors' device (NCCL on GPUs); where
+it cannot run (gloo with GPU tensors, --one-gpu), the record says why.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch.multiprocessing as mp
 
 import megamoe
 from megamoe.shapes import PRESETS, ROUTINGS, make_routing
+
+from megamoe.backends.all_to_all import all_to_all_moe
 
 from .report import add_out_argument, provenance
 from .timing import MIN_REPEATS, Budget, Device, measure
@@ -112,6 +118,12 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                           ((x, mine), (weights, mine), (w13, experts), (w2, experts))]
                 ep = _time(lambda: megamoe.moe(params[0], ids[mine], *params[1:], group=dist.group.WORLD), params,
                            dy[mine], device, agreed)
+                try:
+                    a2a = _time(lambda: all_to_all_moe(params[0], ids[mine], *params[1:], dist.group.WORLD), params,
+                                dy[mine], device, agreed)
+                    ep |= {f"all_to_all_{k}": v for k, v in a2a.items()}
+                except RuntimeError as error:  # the same on every rank: raised before any exchange
+                    record["all_to_all_skipped"] = f"{type(error).__name__}: {str(error)[:200]}"
                 slowest = [None] * world
                 dist.all_gather_object(slowest, ep)
                 record.update({k: max(r[k] for r in slowest) for k in ep})
@@ -151,10 +163,12 @@ def main(argv=None) -> int:
     result.update({**provenance(result["gpu"], "megamoe.bench.ep", argv), "one_gpu": args.one_gpu})
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'preset':16} {'tokens':>6} {'routing':9} {'W':>2} {'1 GPU fwd':>10} {'fwd+bwd':>8} "
-          f"{'EP fwd':>8} {'fwd+bwd':>8}")
+          f"{'EP fwd':>8} {'fwd+bwd':>8} {'a2a fwd':>8} {'fwd+bwd':>8}")
     for r in result["records"]:
+        a2a = (f"{r['all_to_all_fwd_ms']:8.2f} {r['all_to_all_fwdbwd_ms']:8.2f}" if "all_to_all_fwd_ms" in r
+               else f"  all-to-all skipped: {r['all_to_all_skipped'][:60]}")
         print(f"{r['preset']:16} {r['tokens']:>6} {r['routing']:9} {r['world']:>2} {r['one_gpu_fwd_ms']:10.2f} "
-              f"{r['one_gpu_fwdbwd_ms']:8.2f} {r['fwd_ms']:8.2f} {r['fwdbwd_ms']:8.2f}")
+              f"{r['one_gpu_fwdbwd_ms']:8.2f} {r['fwd_ms']:8.2f} {r['fwdbwd_ms']:8.2f} {a2a}")
     print(f"wrote {result_path}")
     return 0
 
