@@ -6,7 +6,7 @@ Each rank sends every route's token row to the rank that owns the route's expert
 that rank, split sizes exchanged first, then the rows and their local expert ids, through
 torch.distributed's all_to_all_single), runs the received rows through its experts with the grouped
 path (megamoe/backends/grouped.py, one route per row), sends the outputs back the same way, and sums
-each token's routes weighted by its topk weights. The rows' all-to-alls carry autograd (functional
+each token's routes weighted by its topk weights. The rows' all-to-alls have autograd (functional
 collectives' all_to_all_single_autograd, as TorchTitan's), so the backward runs the same exchanges
 in reverse. The split
 sizes reach the host before the rows can move: one synchronisation per exchange, as in TorchTitan.
