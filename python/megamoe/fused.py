@@ -178,20 +178,25 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     del z
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
+    # The weight gradients go into the returned bf16 tensor, or are added in fp32 to main_grad (the
+    # returned one is then empty). dW2 first, so the pool of dy and hp are freed before dx needs its
+    # per-route rows.
+    if need_dw2:
+        weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
+    del dy_pool, hp
     if need_dx:
         routed = pool.routed(x.shape[1])
         if fp8_backward:
             dz_fp8, dz_scales = fp8.quantize_rows(dz)
             w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
             grouped_gemm_scatter_fp8(dz_fp8, dz_scales, w13t, w13t_scales, plan, routed)
+            del dz_fp8, dz_scales
         else:
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
-    # Into the returned bf16 gradient, or added in fp32 to main_grad (the returned one is then empty).
-    for need, out, main_grad, a, b in ((need_dw2, dw2, main_grad2, dy_pool, lambda: hp),
-                                       (need_dw13, dw13, main_grad13, dz, pool.x_bf16)):
-        if need:
-            weight_grad(a, b(), plan, out if main_grad is None else main_grad)
+        del routed
+    if need_dw13:
+        weight_grad(dz, pool.x_bf16(), plan, dw13 if main_grad13 is None else main_grad13)
     return dx, dweights, dw13, dw2
 
 
