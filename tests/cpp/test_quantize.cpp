@@ -1,0 +1,51 @@
+// Block-FP8 quantisation (csrc/kernels/fp8/quantize.cu): the argument checks, before any CUDA call,
+// so without a GPU. Their results are tested against the torch ops in tests/python/test_fp8.py.
+#include <gtest/gtest.h>
+
+#include "megamoe/megamoe.h"
+#include "status_util.h"
+
+namespace {
+
+using Quantize = megamoe_quantize_fp8_args;
+
+megamoe_quantize_fp8_args good_blocks() {
+  return {check_buf, check_buf, reinterpret_cast<float*>(check_buf), 256, 384, 0};
+}
+
+}  // namespace
+
+TEST(QuantizeValidation, RowsRejectBadArguments) {
+  expect_rejected(megamoe_quantize_rows_fp8(nullptr, nullptr), "args must be non-null");
+  Quantize a = good_blocks();
+  a.k = 100;
+  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "k a positive multiple of 128, got rows 256, k 100");
+  a = good_blocks();
+  a.a = check_buf + 2;
+  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "the bf16 rows must be 8-byte");
+  a = good_blocks();
+  a.scales_ld = 2;
+  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "scales_ld must be 0 (k-block major) or at least k / 128");
+  megamoe_dequantize_fp8_args d{check_buf, reinterpret_cast<const float*>(check_buf), check_buf, 4, 0};
+  expect_rejected(megamoe_dequantize_rows_fp8(&d, nullptr), "k a positive multiple of 128");
+}
+
+TEST(QuantizeValidation, BlocksRejectBadArguments) {
+  expect_rejected(megamoe_quantize_blocks_fp8(nullptr, nullptr), "args must be non-null");
+  const char* sizes = "need rows and k multiples of 128 and scales_ld 0";
+  for (const auto change : {+[](Quantize& a) { a.rows = 100; }, +[](Quantize& a) { a.k = 64; },
+                            +[](Quantize& a) { a.scales_ld = 3; }, +[](Quantize& a) { a.rows = -128; }}) {
+    Quantize a = good_blocks();
+    change(a);
+    expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), sizes);
+  }
+  Quantize a = good_blocks();
+  a.q = nullptr;
+  expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), "null pointer");
+  a = good_blocks();
+  a.a = check_buf + 8;
+  expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), "the bf16 matrix must be 16-byte");
+  a = good_blocks();
+  a.rows = 0;  // nothing to quantise: no launch
+  EXPECT_EQ(megamoe_quantize_blocks_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
+}
