@@ -33,6 +33,7 @@ def _sharded_matches_unsharded(rank: int, world: int, store: str, build: Callabl
     assert outputs["sharded"][1].keys() == outputs["unsharded"][1].keys()
     for key, grad in outputs["unsharded"][1].items():
         torch.testing.assert_close(outputs["sharded"][1][key], grad, rtol=1e-5, atol=1e-7, msg=key)
+    dist.barrier()  # no rank tears its group down while a peer's exchanges are still in flight
     dist.destroy_process_group()
 
 
