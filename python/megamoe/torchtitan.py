@@ -14,8 +14,9 @@ state and everything else stay TorchTitan's; FSDP2 (`fully_shard`), activation c
 
 The experts' gate and up weights live in one parameter `w13 [E, 2F, D]`, `w2_EDF [E, D, F]` as
 TorchTitan has it; checkpoints keep TorchTitan's `w1_EFD` / `w3_EFD` (torchtitan_layout.py).
-torchtitan 0.2 (which runs on older PyTorch) is served by megamoe/torchtitan_converter.py instead. Refused at configuration time: experts other than TorchTitan's SwiGLU
-`GroupedExperts`; at parallelisation: expert or tensor parallelism (not yet served).
+torchtitan 0.2 (which runs on older PyTorch) is served by megamoe/torchtitan_converter.py instead.
+Refused at configuration time: experts other than TorchTitan's SwiGLU `GroupedExperts`; at
+parallelisation: expert or tensor parallelism (not yet served).
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megamoe
-from megamoe.shapes import PRESETS, ROUTINGS, make_routing
-
 from megamoe.backends.all_to_all import all_to_all_moe
+from megamoe.shapes import PRESETS, ROUTINGS, make_routing
 
 from .report import add_out_argument, provenance
 from .timing import MIN_REPEATS, Budget, Device, measure

@@ -57,11 +57,11 @@ def write_parity_plot(curves: Mapping[str, Sequence[float]], reference: str, pat
 
 
 def write_step_plot(records: Sequence[Mapping], path: Path, title: str) -> None:
-    """Tokens/s of each timed record (`variant` or `backend` / `precision`), with its step time and peak
-    memory written beside the bar; skipped records are left out."""
+    """Tokens/s of each timed record of a variant, with its step time and peak memory written beside the
+    bar; skipped records are left out."""
     plt = _pyplot()
     timed = [r for r in records if not r.get("skipped")]
-    names = [r.get("variant") or f"{r['backend']} {r['precision']}" for r in timed]
+    names = [r["variant"] for r in timed]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(timed)))
     bars = ax.barh(names, [r["tokens_per_s"] for r in timed], color=[f"C{i}" for i in range(len(timed))])
     for bar, r in zip(bars, timed):
