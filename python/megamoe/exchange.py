@@ -39,8 +39,13 @@ def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, t
     """rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched: (e4m3 pool
     [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read); padding rows are 0."""
     q, token_scales = fp8.quantize_rows(rows, token_major=True)  # a token's scales: a 16-byte row of their own
-    blocks = rows.shape[1] // fp8.BLOCK
-    return dispatch(plan, q), dispatch(plan, token_scales)[:, :blocks].t().contiguous()
+    return dispatch(plan, q), pool_scales(dispatch(plan, token_scales), rows.shape[1])
+
+
+def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:
+    """A pool of token-major scale rows (fp8.quantize_rows(token_major=True), dispatched or pulled) as the
+    FP8 GEMMs read the scales: [hidden / 128, pool rows]."""
+    return token_scales_pool[:, :hidden // fp8.BLOCK].t().contiguous()
 
 
 def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,12 @@ collective, so a rank that skips it makes its peers time out, not hang. (The for
 all-gather is a host collective: a rank that never arrives there is caught by the process group's
 own timeout, `init_process_group(timeout=...)`.)
 
+Block FP8 (precision "fp8" / "fp8_bwd", the single-rank op's recipe, megamoe/fused.py): each rank
+quantises its own rows once per token (1 x 128 scales), and the e4m3 rows and their scales travel
+instead of bf16 x ("fp8") and beside bf16 dy (the weight gradients read bf16 dy): half the bytes
+for x. The owners run the single-rank FP8 kernels on the pulled pools, so every rank's output and
+gradients are bit for bit those of one rank holding every expert.
+
 The host never waits for the whole queue: the metadata all-gather runs on a stream of its own (it
 waits for the previous call's collectives only, not for the kernels queued on the compute stream),
 and each call ends by waiting for its own first barrier and routing only (later kernels keep
@@ -47,12 +53,13 @@ import os
 
 import torch
 
-from . import _native
+from . import _native, fp8
 from .activation import check_activation
-from .exchange import combine_from_owners, pointer_table, pull_rows
-from .gemm import gated_backward, gated_gemm, grouped_gemm, grouped_gemm_scatter, reduce_dp, weight_grad
+from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
+from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
+                   grouped_gemm_scatter, grouped_gemm_scatter_fp8, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, pool_capacity
-from .validation import IdRangeCheck, main_grad_of
+from .validation import IdRangeCheck, check_fused_precision, main_grad_of
 
 _PHASES = ("dispatch", "combine")
 _GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
@@ -201,7 +208,7 @@ class _Meta:
     """What every rank knows after the metadata all-gather: every rank's token count, the routes'
     global numbering, this rank's plan over all routes and the shared buffers' sizes."""
 
-    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor):
+    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str):
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
         shape = (x.shape[0], top_k, hidden, two_i, num_local)
@@ -225,10 +232,14 @@ class _Meta:
         self.plan = build_routing(ids_all, self.num_experts, ws.rank * num_local, num_local)
         self.id_range = IdRangeCheck(self.plan, self.num_experts)
         max_tokens = max(self.tokens)
-        ws.reserve({"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
-                    "route_to_slot": (self.total_routes, torch.int32),
-                    "out": (pool_capacity(self.total_routes, num_local) * hidden, torch.bfloat16),
-                    "dp": (self.total_routes, torch.float32)})
+        sizes = {"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
+                 "route_to_slot": (self.total_routes, torch.int32),
+                 "out": (pool_capacity(self.total_routes, num_local) * hidden, torch.bfloat16),
+                 "dp": (self.total_routes, torch.float32)}
+        if precision != "bf16":  # e4m3 rows and their token-major scales (fp8.quantize_rows)
+            sizes |= {"rows_fp8": (max_tokens * hidden, torch.uint8),
+                      "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
+        ws.reserve(sizes)
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
         """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device."""
@@ -246,33 +257,41 @@ def _all_gather(ws: _Workspace, tensor: torch.Tensor) -> list[torch.Tensor]:
     return parts
 
 
-def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: torch.Tensor,
-                      weights: torch.Tensor | None = None):
-    """Publish this rank's rows (and weights), barrier 1, publish the plan's route -> slot table, and
-    pull this owner's pool of rows (and its rows' weights) from every rank."""
-    ws.local("rows", rows.numel()).copy_(rows.reshape(-1))
+def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: dict[str, torch.Tensor],
+                      weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Publish this rank's rows (shared buffer name -> [T_r, row] tensor of its dtype) and weights,
+    barrier 1, publish the plan's route -> slot table, and pull this owner's pool of each rows tensor
+    (in the order given) and its rows' weights (None without weights)."""
+    for name, part in rows.items():
+        ws.local(name, part.numel()).copy_(part.reshape(-1))
     if weights is not None:
         ws.local("weights", weights.numel()).copy_(weights.reshape(-1))
     ws.barrier(1)
     ws.read_status()
     ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
-    weights_table = None if weights is None else ws.table("weights")
-    if meta.top_k < 2 * ws.world:
-        return pull_rows(plan, ws.table("rows"), meta.offsets, rows, weights_table)
-    staged, rows_table = _staged_rows(ws, meta, rows)
-    # staged is freed only once the pull that reads it is queued: freed earlier, the caching
-    # allocator could hand its memory to the pull's own pool.
-    pool = pull_rows(plan, rows_table, meta.offsets, rows, weights_table)
-    del staged
-    return pool
+    pools, weights_pool = [], None
+    for name, part in rows.items():
+        weights_table = None if weights is None or weights_pool is not None else ws.table("weights")
+        if meta.top_k < 2 * ws.world:
+            pool = pull_rows(plan, ws.table(name), meta.offsets, part, weights_table)
+        else:
+            staged, rows_table = _staged_rows(ws, meta, name, part)
+            # staged is freed only once the pull that reads it is queued: freed earlier, the caching
+            # allocator could hand its memory to the pull's own pool.
+            pool = pull_rows(plan, rows_table, meta.offsets, part, weights_table)
+            del staged
+        if weights_table is not None:
+            pool, weights_pool = pool
+        pools.append(pool)
+    return pools, weights_pool
 
 
-def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
-    """(every peer's rows copied here whole by the copy engine, on the current stream; the pointer
-    table of this rank's rows and those copies). The pull reads a row once per route, so a token
-    with K / W routes per rank crosses the link about K / W times when read in place; copied whole,
-    once (every token has a route here but for a few when K >= 2 W)."""
-    staged = rows.new_empty(sum(meta.tokens) - meta.tokens[ws.rank], meta.hidden)
+def _staged_rows(ws: _Workspace, meta: _Meta, name: str, rows: torch.Tensor):
+    """(every peer's shared rows `name` copied here whole by the copy engine, on the current stream;
+    the pointer table of this rank's rows and those copies). The pull reads a row once per route, so
+    a token with K / W routes per rank crosses the link about K / W times when read in place; copied
+    whole, once (every token has a route here but for a few when K >= 2 W)."""
+    staged = rows.new_empty(sum(meta.tokens) - meta.tokens[ws.rank], rows.shape[1])
     pointers, first = [], 0
     for r, tokens in enumerate(meta.tokens):
         if r == ws.rank:
@@ -280,23 +299,51 @@ def _staged_rows(ws: _Workspace, meta: _Meta, rows: torch.Tensor):
             continue
         part = staged[first:first + tokens]
         if tokens:
-            ws.copy_from_peer(part, "rows", r, 0)
+            ws.copy_from_peer(part, name, r, 0)
         pointers.append(part.data_ptr())
         first += tokens
     return staged, pointer_table(pointers)
 
 
-def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2,
-                   activation: str = "swiglu") -> torch.Tensor:
+def _fp8_rows(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """rows [T_r, H] quantised once per token, as the shared buffers hold them: e4m3 bytes, scales."""
+    q, token_scales = fp8.quantize_rows(rows, token_major=True)
+    return {"rows_fp8": q.view(torch.uint8), "scales": token_scales}
+
+
+def _fp8_pool(pools: list[torch.Tensor], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pulled e4m3 rows and token-major scales as the FP8 GEMMs read them: (pool, scales [H / 128, rows])."""
+    q_pool, scales_pool = pools
+    return q_pool.view(torch.float8_e4m3fn), pool_scales(scales_pool, hidden)
+
+
+def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, activation: str = "swiglu",
+                   x_scales: torch.Tensor | None = None,
+                   dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
     z recomputed, dh through the activation's backward, dx per route in pool order into dx_pool, its
     experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
-    plan's routes (every rank's) in fp32, 0 for the routes it does not own. (The tests' virtual ranks run it too.)"""
-    z = grouped_gemm(x_pool, w13, plan)
-    dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+    plan's routes (every rank's) in fp32, 0 for the routes it does not own. (The tests' virtual ranks run it too.)
+    In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with its scales,
+    makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in FP8, dW13 on
+    the dequantised pool), without it bf16 ("fp8_bwd")."""
+    if x_scales is None:
+        z, x_bf16 = grouped_gemm(x_pool, w13, plan), x_pool
+    else:
+        w13_fp8 = fp8.quantized_weight(w13)
+        z = grouped_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan)
+        x_bf16 = fp8.dequantize_rows(x_pool, x_scales, torch.bfloat16)
     in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
-    grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
-    weight_grad(dz, x_pool, plan, dw13)
+    if dy_fp8 is None:
+        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+        grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+    else:
+        w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+        dz, hp, dp_partial = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan, activation)
+        dz_fp8, dz_scales = fp8.quantize_rows(dz)
+        w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
+        grouped_gemm_scatter_fp8(dz_fp8, dz_scales, w13t, w13t_scales, plan, dx_pool, row_of_slot=in_place)
+    weight_grad(dz, x_bf16, plan, dw13)
     weight_grad(dy_pool, hp, plan, dw2)
     return reduce_dp(dp_partial, plan)
 
@@ -308,25 +355,36 @@ def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Ten
                                meta.route_offsets[ws.rank], like)
 
 
-def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation):
-    """(y, x_pool, meta): the layer's forward for this rank's tokens."""
-    meta = _Meta(ws, x, topk_ids, w13)
+def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision):
+    """(y, (x_pool, x_scales), meta): the layer's forward for this rank's tokens; x_scales is None but
+    in "fp8", where the pool of x is e4m3."""
+    meta = _Meta(ws, x, topk_ids, w13, precision)
     plan = meta.plan
     if meta.total_routes == 0:
-        return torch.zeros_like(x), x.new_empty(0, x.shape[1]), meta
-    x_pool = _publish_and_pull(ws, meta, plan, x)
-    h = gated_gemm(x_pool, w13, plan, activation)
-    out = ws.local("out", x_pool.numel()).view(x_pool.shape)
-    grouped_gemm(h, w2, plan, out=out)
+        return torch.zeros_like(x), (x.new_empty(0, x.shape[1]), None), meta
+    if precision == "fp8":
+        pools, _ = _publish_and_pull(ws, meta, plan, _fp8_rows(x))
+        x_pool, x_scales = _fp8_pool(pools, x.shape[1])
+        w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
+        h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation)
+        out = ws.local("out", x_pool.numel()).view(x_pool.shape[0], x.shape[1])
+        in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x.device)
+        grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, out, row_of_slot=in_place)
+    else:
+        (x_pool,), _ = _publish_and_pull(ws, meta, plan, {"rows": x})
+        x_scales = None
+        h = gated_gemm(x_pool, w13, plan, activation)
+        out = ws.local("out", x_pool.numel()).view(x_pool.shape)
+        grouped_gemm(h, w2, plan, out=out)
     del h
     y = _combine(ws, meta, topk_weights, x)
     ws.raise_if_timed_out()
     meta.id_range.raise_if_any()
-    return y, x_pool, meta
+    return y, (x_pool, x_scales), meta
 
 
-def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, main_grad13, main_grad2,
-              activation):
+def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, x_scales, topk_weights, w13, w2, main_grad13, main_grad2,
+              activation, precision):
     """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad)."""
     plan = meta.plan
     weights = topk_weights.to(torch.float32).contiguous()
@@ -335,12 +393,16 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
     if meta.total_routes == 0:
         return (torch.zeros_like(dy), torch.zeros_like(topk_weights),
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
-    dy_pool, p_pool = _publish_and_pull(ws, meta, plan, dy.contiguous(), weights)
-    dx_pool = ws.local("out", x_pool.numel()).view(x_pool.shape)  # dx per route, read by the peers
+    dy = dy.contiguous()
+    rows = {"rows": dy} if precision == "bf16" else {"rows": dy, **_fp8_rows(dy)}
+    pools, p_pool = _publish_and_pull(ws, meta, plan, rows, weights)
+    dy_pool, dy_fp8 = pools[0], None if precision == "bf16" else _fp8_pool(pools[1:], dy.shape[1])
+    dx_pool = ws.local("out", dy_pool.numel()).view(dy_pool.shape)  # dx per route, read by the peers
     ws.local("dp", meta.total_routes).copy_(owner_backward(
         x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool,
-        dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation))
-    del dy_pool, p_pool
+        dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation,
+        x_scales, dy_fp8))
+    del pools, dy_pool, dy_fp8, p_pool
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
@@ -354,26 +416,29 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, topk_weights, w13, w2, ma
 
 class _GroupMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation):
-        y, x_pool, meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation)
-        ctx.ws, ctx.meta, ctx.activation = ws, meta, activation
-        ctx.save_for_backward(x_pool, topk_weights, w13, w2)
+    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation, precision):
+        y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision)
+        ctx.ws, ctx.meta, ctx.activation, ctx.precision = ws, meta, activation, precision
+        ctx.save_for_backward(x_pool, x_scales, topk_weights, w13, w2)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_pool, topk_weights, w13, w2 = ctx.saved_tensors
+        x_pool, x_scales, topk_weights, w13, w2 = ctx.saved_tensors
         needs = ctx.needs_input_grad
         main_grads = [main_grad_of(w, name) if need else None
                       for w, name, need in ((w13, "w13", needs[3]), (w2, "w2", needs[4]))]
-        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, topk_weights, w13, w2, *main_grads,
-                                            ctx.activation)
+        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, x_scales, topk_weights, w13, w2,
+                                            *main_grads, ctx.activation, ctx.precision)
         return (dx if needs[0] else None, None, dweights if needs[2] else None, dw13 if needs[3] else None,
-                dw2 if needs[4] else None, None, None)
+                dw2 if needs[4] else None, None, None, None)
 
 
-def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu") -> torch.Tensor:
+def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu",
+              precision: str = "bf16") -> torch.Tensor:
     """y [T_r, H] for this rank's tokens, its experts' weights w13 [E_local, 2I, H], w2 [E_local, H, I];
-    differentiable like megamoe.moe. Every rank of `group` must make the same calls in the same order."""
+    differentiable like megamoe.moe, in `precision` ("bf16", "fp8", "fp8_bwd"). Every rank of `group`
+    must make the same calls in the same order."""
     check_activation(activation)
-    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation)
+    check_fused_precision(precision)
+    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation, precision)

@@ -27,6 +27,11 @@ def _on_core(a: torch.Tensor) -> bool:
     return a.is_cuda and a.dtype == torch.bfloat16 and a.is_contiguous()
 
 
+def token_scale_columns(k: int) -> int:
+    """Columns of quantize_rows' token-major scales for rows of k values: k / 128 rounded up to 4."""
+    return -(-(k // BLOCK) // 4) * 4
+
+
 def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """a [rows, K] -> (e4m3 [rows, K], scales fp32): [K / 128, rows], k-block major as the GEMMs read
     them, or with token_major [rows, S], S = K / 128 rounded up to 4 (16-byte rows, which dispatch like
@@ -34,7 +39,7 @@ def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Ten
     rows, k = a.shape
     if k % BLOCK:
         raise ValueError(f"K must be a multiple of {BLOCK} for 1x{BLOCK} scales, got {k}")
-    padded = -(-(k // BLOCK) // 4) * 4
+    padded = token_scale_columns(k)
     if _on_core(a):
         q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=a.device)
         scales = torch.empty((rows, padded) if token_major else (k // BLOCK, rows), dtype=torch.float32,

@@ -92,12 +92,13 @@ def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w
 
 
 def grouped_gemm_scatter_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                             plan: RoutingPlan, out: torch.Tensor) -> None:
-    """Block-FP8 grouped_gemm_scatter into the plan's slot rows: out[slot_to_route[s]] = a[s] · b[e]ᵀ,
-    a [rows, K] e4m3 with a_scales [K / 128, rows], b [E_local, N, K] e4m3 with b_scales
+                             plan: RoutingPlan, out: torch.Tensor, row_of_slot: torch.Tensor | None = None) -> None:
+    """Block-FP8 grouped_gemm_scatter: out[row_of_slot[s]] = a[s] · b[e]ᵀ (row_of_slot None: the plan's
+    slot_to_route), a [rows, K] e4m3 with a_scales [K / 128, rows], b [E_local, N, K] e4m3 with b_scales
     [E_local, N / 128, K / 128]."""
     args = _native.ScatterGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(),
-                                      out.data_ptr(), None, out.shape[0], out.shape[1], a.shape[1])
+                                      out.data_ptr(), _native.address(row_of_slot), out.shape[0], out.shape[1],
+                                      a.shape[1])
     _native.call("megamoe_grouped_gemm_scatter_fp8", "FP8 grouped GEMM with scattered rows", plan.native(), args,
                  _native.stream(a.device))
 

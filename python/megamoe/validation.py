@@ -70,8 +70,6 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool = False
              f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); backend={backend!r} "
              "computes in bf16: pass precision='bf16'", NotImplementedError)
     if group is not None:
-        _require(precision == "bf16", f"precision={precision!r} with expert parallelism (group=) is not implemented "
-                 "yet; use precision='bf16' with group=, or precision='fp8' on one rank", NotImplementedError)
         _require(backend == "fused" and not recompute,
                  "expert parallelism over a process group runs backend='fused' with recompute=False; "
                  f"got backend={backend!r}, recompute={recompute}", NotImplementedError)

@@ -30,7 +30,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
-                            activation="swiglu"):
+                            activation="swiglu", precision="bf16"):
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
     torch.cuda.set_device(rank if one_gpu_per_rank else 0)
     torch.manual_seed(0)  # the same problem in every process
@@ -38,11 +38,12 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, on
     dy = torch.randn_like(whole[0])
     for _ in range(2):  # the second call reuses the shared buffers and the barrier's epochs
         x, w, w13, w2 = (_leaf(t) for t in (xs[rank], weights[rank], w13s[rank], w2s[rank]))
-        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD, activation=activation)
+        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD, activation=activation,
+                        precision=precision)
         y.backward(dy.split(tokens_per_rank)[rank])
 
     x1, w1, w131, w21 = (_leaf(t) for t in (whole[0], whole[2], whole[3], whole[4]))
-    y1 = megamoe.moe(x1, whole[1], w1, w131, w21, recompute=True, activation=activation)
+    y1 = megamoe.moe(x1, whole[1], w1, w131, w21, recompute=True, activation=activation, precision=precision)
     y1.backward(dy)
     tokens = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
     experts = slice(rank * w13.shape[0], (rank + 1) * w13.shape[0])
@@ -105,6 +106,15 @@ def _spawn(fn, world, tmp_path, *args):
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
 def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank, activation):
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, activation)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [100, 0, 64, 1]])
+def test_group_in_fp8_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision):
+    """Block FP8 over the group: e4m3 rows and their scales travel, the owners run the FP8 kernels."""
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, "swiglu", precision)
 
 
 @requires_cuda
