@@ -24,7 +24,8 @@ own GPU; the buffers grow, never shrink, at a point where no kernel of any rank 
 flight. Ranks on different GPUs need peer access between them (NVLink or PCIe P2P) and processes
 that see every GPU of the group under the same numbering; W processes may also share one GPU.
 
-The backward keeps the owner's pool of x and the plans from the forward, recomputes z, and uses the
+The backward keeps the owner's pool of x and the plans from the forward (with recompute=True only x
+and the plans: x is published beside dy and its pool pulled again), recomputes z, and uses the
 same two-barrier call for dy: owners compute dh, dp, dx per route (into the shared out pool) and
 their own experts' weight gradients; ranks pull dx rows and dp values back. It has no host
 collective, so a rank that skips it makes its peers time out, not hang. (The forward's metadata
@@ -208,7 +209,8 @@ class _Meta:
     """What every rank knows after the metadata all-gather: every rank's token count, the routes'
     global numbering, this rank's plan over all routes and the shared buffers' sizes."""
 
-    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str):
+    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str,
+                 recompute: bool):
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
         shape = (x.shape[0], top_k, hidden, two_i, num_local)
@@ -236,9 +238,13 @@ class _Meta:
                  "route_to_slot": (self.total_routes, torch.int32),
                  "out": (pool_capacity(self.total_routes, num_local) * hidden, torch.bfloat16),
                  "dp": (self.total_routes, torch.float32)}
-        if precision != "bf16":  # e4m3 rows and their token-major scales (fp8.quantize_rows)
-            sizes |= {"rows_fp8": (max_tokens * hidden, torch.uint8),
-                      "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
+        fp8_rows = {"rows_fp8": (max_tokens * hidden, torch.uint8),  # e4m3 rows, token-major scales
+                    "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
+        if precision != "bf16":
+            sizes |= fp8_rows
+        if recompute:  # the backward publishes x again beside dy
+            sizes |= ({f"x_{name}": size for name, size in fp8_rows.items()} if precision == "fp8"
+                      else {"x_rows": sizes["rows"]})
         ws.reserve(sizes)
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
@@ -258,10 +264,10 @@ def _all_gather(ws: _Workspace, tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: dict[str, torch.Tensor],
-                      weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+                      weights: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Publish this rank's rows (shared buffer name -> [T_r, row] tensor of its dtype) and weights,
     barrier 1, publish the plan's route -> slot table, and pull this owner's pool of each rows tensor
-    (in the order given) and its rows' weights (None without weights)."""
+    (by the same names) and its rows' weights (with the first rows; None without weights)."""
     for name, part in rows.items():
         ws.local(name, part.numel()).copy_(part.reshape(-1))
     if weights is not None:
@@ -269,7 +275,7 @@ def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: dict
     ws.barrier(1)
     ws.read_status()
     ws.local("route_to_slot", meta.total_routes).copy_(plan.route_to_slot.reshape(-1))
-    pools, weights_pool = [], None
+    pools, weights_pool = {}, None
     for name, part in rows.items():
         weights_table = None if weights is None or weights_pool is not None else ws.table("weights")
         if meta.top_k < 2 * ws.world:
@@ -282,7 +288,7 @@ def _publish_and_pull(ws: _Workspace, meta: _Meta, plan: RoutingPlan, rows: dict
             del staged
         if weights_table is not None:
             pool, weights_pool = pool
-        pools.append(pool)
+        pools[name] = pool
     return pools, weights_pool
 
 
@@ -305,16 +311,17 @@ def _staged_rows(ws: _Workspace, meta: _Meta, name: str, rows: torch.Tensor):
     return staged, pointer_table(pointers)
 
 
-def _fp8_rows(rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """rows [T_r, H] quantised once per token, as the shared buffers hold them: e4m3 bytes, scales."""
+def _fp8_rows(rows: torch.Tensor, prefix: str = "") -> dict[str, torch.Tensor]:
+    """rows [T_r, H] quantised once per token, as the shared buffers `prefix`rows_fp8 and `prefix`scales
+    hold them: e4m3 bytes, token-major scales."""
     q, token_scales = fp8.quantize_rows(rows, token_major=True)
-    return {"rows_fp8": q.view(torch.uint8), "scales": token_scales}
+    return {f"{prefix}rows_fp8": q.view(torch.uint8), f"{prefix}scales": token_scales}
 
 
-def _fp8_pool(pools: list[torch.Tensor], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pulled e4m3 rows and token-major scales as the FP8 GEMMs read them: (pool, scales [H / 128, rows])."""
-    q_pool, scales_pool = pools
-    return q_pool.view(torch.float8_e4m3fn), pool_scales(scales_pool, hidden)
+def _fp8_pool(pools: dict[str, torch.Tensor], hidden: int, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """The pulled e4m3 rows and token-major scales (of _fp8_rows' names) as the FP8 GEMMs read them:
+    (pool, scales [H / 128, rows])."""
+    return pools[f"{prefix}rows_fp8"].view(torch.float8_e4m3fn), pool_scales(pools[f"{prefix}scales"], hidden)
 
 
 def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, activation: str = "swiglu",
@@ -355,10 +362,10 @@ def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Ten
                                meta.route_offsets[ws.rank], like)
 
 
-def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision):
+def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute):
     """(y, (x_pool, x_scales), meta): the layer's forward for this rank's tokens; x_scales is None but
     in "fp8", where the pool of x is e4m3."""
-    meta = _Meta(ws, x, topk_ids, w13, precision)
+    meta = _Meta(ws, x, topk_ids, w13, precision, recompute)
     plan = meta.plan
     if meta.total_routes == 0:
         return torch.zeros_like(x), (x.new_empty(0, x.shape[1]), None), meta
@@ -371,8 +378,8 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, pre
         in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x.device)
         grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, out, row_of_slot=in_place)
     else:
-        (x_pool,), _ = _publish_and_pull(ws, meta, plan, {"rows": x})
-        x_scales = None
+        pools, _ = _publish_and_pull(ws, meta, plan, {"rows": x})
+        x_pool, x_scales = pools["rows"], None
         h = gated_gemm(x_pool, w13, plan, activation)
         out = ws.local("out", x_pool.numel()).view(x_pool.shape)
         grouped_gemm(h, w2, plan, out=out)
@@ -383,9 +390,10 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, pre
     return y, (x_pool, x_scales), meta
 
 
-def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, x_scales, topk_weights, w13, w2, main_grad13, main_grad2,
+def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights, w13, w2, main_grad13, main_grad2,
               activation, precision):
-    """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad)."""
+    """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad). x_pool
+    None (recompute): x is published beside dy and its pool pulled again."""
     plan = meta.plan
     weights = topk_weights.to(torch.float32).contiguous()
     dw13 = torch.empty_like(w13) if main_grad13 is None else None
@@ -395,14 +403,18 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, x_scales, topk_weights, w
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
     dy = dy.contiguous()
     rows = {"rows": dy} if precision == "bf16" else {"rows": dy, **_fp8_rows(dy)}
+    if x_pool is None:
+        rows |= _fp8_rows(x, "x_") if precision == "fp8" else {"x_rows": x}
     pools, p_pool = _publish_and_pull(ws, meta, plan, rows, weights)
-    dy_pool, dy_fp8 = pools[0], None if precision == "bf16" else _fp8_pool(pools[1:], dy.shape[1])
+    if x_pool is None:
+        x_pool, x_scales = _fp8_pool(pools, x.shape[1], "x_") if precision == "fp8" else (pools["x_rows"], None)
+    dy_pool, dy_fp8 = pools["rows"], None if precision == "bf16" else _fp8_pool(pools, dy.shape[1])
     dx_pool = ws.local("out", dy_pool.numel()).view(dy_pool.shape)  # dx per route, read by the peers
     ws.local("dp", meta.total_routes).copy_(owner_backward(
         x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool,
         dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation,
         x_scales, dy_fp8))
-    del pools, dy_pool, dy_fp8, p_pool
+    del pools, x_pool, x_scales, dy_pool, dy_fp8, p_pool
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
@@ -416,29 +428,33 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x_pool, x_scales, topk_weights, w
 
 class _GroupMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation, precision):
-        y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision)
-        ctx.ws, ctx.meta, ctx.activation, ctx.precision = ws, meta, activation, precision
-        ctx.save_for_backward(x_pool, x_scales, topk_weights, w13, w2)
+    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation, precision, recompute):
+        y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision,
+                                               recompute)
+        ctx.ws, ctx.meta, ctx.activation, ctx.precision, ctx.recompute = ws, meta, activation, precision, recompute
+        kept = (x, None, None) if recompute else (None, x_pool, x_scales)  # recompute keeps the input only
+        ctx.save_for_backward(*kept, topk_weights, w13, w2)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_pool, x_scales, topk_weights, w13, w2 = ctx.saved_tensors
+        x, x_pool, x_scales, topk_weights, w13, w2 = ctx.saved_tensors
         needs = ctx.needs_input_grad
         main_grads = [main_grad_of(w, name) if need else None
                       for w, name, need in ((w13, "w13", needs[3]), (w2, "w2", needs[4]))]
-        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x_pool, x_scales, topk_weights, w13, w2,
+        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x, x_pool, x_scales, topk_weights, w13, w2,
                                             *main_grads, ctx.activation, ctx.precision)
         return (dx if needs[0] else None, None, dweights if needs[2] else None, dw13 if needs[3] else None,
-                dw2 if needs[4] else None, None, None, None)
+                dw2 if needs[4] else None, None, None, None, None)
 
 
-def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu",
-              precision: str = "bf16") -> torch.Tensor:
+def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu", precision: str = "bf16",
+              recompute: bool = False) -> torch.Tensor:
     """y [T_r, H] for this rank's tokens, its experts' weights w13 [E_local, 2I, H], w2 [E_local, H, I];
-    differentiable like megamoe.moe, in `precision` ("bf16", "fp8", "fp8_bwd"). Every rank of `group`
-    must make the same calls in the same order."""
+    differentiable like megamoe.moe, in `precision` ("bf16", "fp8", "fp8_bwd"); with recompute, only the
+    inputs are kept and the backward pulls x again beside dy. Every rank of `group` must make the same
+    calls in the same order."""
     check_activation(activation)
     check_fused_precision(precision)
-    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation, precision)
+    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation, precision,
+                           recompute)

@@ -35,7 +35,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
         if needs_padding(hidden, problem.intermediate_size):
             x, w13, w2 = pad_to_tiles(x, w13, w2)
         if group is not None:
-            y = group_moe(x, topk_ids, topk_weights, w13, w2, group, activation, precision)
+            y = group_moe(x, topk_ids, topk_weights, w13, w2, group, activation, precision, recompute)
         else:
             y = fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation, precision)
         return y if y.shape[1] == hidden else y[:, :hidden].contiguous()

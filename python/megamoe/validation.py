@@ -69,10 +69,9 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool = False
     _require(precision == "bf16" or backend == "fused",
              f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); backend={backend!r} "
              "computes in bf16: pass precision='bf16'", NotImplementedError)
-    if group is not None:
-        _require(backend == "fused" and not recompute,
-                 "expert parallelism over a process group runs backend='fused' with recompute=False; "
-                 f"got backend={backend!r}, recompute={recompute}", NotImplementedError)
+    _require(group is None or backend == "fused",
+             f"expert parallelism over a process group runs backend='fused', got backend={backend!r}",
+             NotImplementedError)
 
 
 def check_fused_precision(precision: str) -> None:

@@ -30,7 +30,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
-                            activation="swiglu", precision="bf16"):
+                            activation="swiglu", precision="bf16", recompute=False):
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
     torch.cuda.set_device(rank if one_gpu_per_rank else 0)
     torch.manual_seed(0)  # the same problem in every process
@@ -39,7 +39,7 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, on
     for _ in range(2):  # the second call reuses the shared buffers and the barrier's epochs
         x, w, w13, w2 = (_leaf(t) for t in (xs[rank], weights[rank], w13s[rank], w2s[rank]))
         y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD, activation=activation,
-                        precision=precision)
+                        precision=precision, recompute=recompute)
         y.backward(dy.split(tokens_per_rank)[rank])
 
     x1, w1, w131, w21 = (_leaf(t) for t in (whole[0], whole[2], whole[3], whole[4]))
@@ -119,6 +119,16 @@ def test_group_in_fp8_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precisi
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("tokens_per_rank", [[300, 200], [100, 0, 64, 1]])
+def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision):
+    """recompute=True over the group: only the inputs kept, x pulled again beside dy in the backward."""
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, "swiglu", precision,
+           True)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
     _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True)
@@ -144,8 +154,7 @@ def world_of_one(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"backend": "grouped"}, NotImplementedError, "backend='fused' with recompute=False"),
-    ({"recompute": True}, NotImplementedError, "backend='fused' with recompute=False"),
+    ({"backend": "grouped"}, NotImplementedError, "over a process group runs backend='fused'"),
     ({}, ValueError, "runs on CUDA tensors"),
 ])
 def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
