@@ -119,13 +119,25 @@ class QuantizedWeight:
         A 128x128 block transposes into a 128x128 block with the same amax, so this is exactly
         quantize_blocks(w.transpose(1, 2)) without requantising: a transposed copy of q and scales."""
         if self._transposed is None:
-            self._transposed = (self.q.transpose(1, 2).contiguous(), self.scales.transpose(1, 2).contiguous())
+            self._transposed = (_transposed_values(self.q), self.scales.transpose(1, 2).contiguous())
         return self._transposed
 
     def nbytes(self) -> int:
         """Device bytes held: q and scales, and the transposed copy once it was made."""
         tensors = (self.q, self.scales, *(self._transposed or ()))
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _transposed_values(q: torch.Tensor) -> torch.Tensor:
+    """q [E, N, K] e4m3 -> [E, K, N]: on a GPU by the core's tiled transpose (a strided torch copy of
+    one-byte elements reads and writes far from the bandwidth), elsewhere by torch."""
+    if not (q.is_cuda and q.is_contiguous() and q.data_ptr() % 16 == 0):
+        return q.transpose(1, 2).contiguous()
+    e, n, k = q.shape
+    out = torch.empty(e, k, n, dtype=q.dtype, device=q.device)
+    _native.call("megamoe_transpose_fp8", "transpose", _native.TransposeFp8Args(q.data_ptr(), out.data_ptr(), e, n, k),
+                 _native.stream(q.device))
+    return out
 
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (key, QuantizedWeight)

@@ -187,3 +187,13 @@ def test_block_quantization_kernel_equals_the_torch_ops():
     q_cpu, s_cpu = fp8.quantize_blocks(b)
     assert torch.equal(q_gpu.cpu().float().nan_to_num(7.0), q_cpu.float().nan_to_num(7.0))
     assert torch.equal(s_gpu.cpu().nan_to_num(7.0), s_cpu.nan_to_num(7.0))
+
+
+@requires_cuda
+def test_the_transposed_copy_on_a_gpu_is_the_transpose_bit_for_bit(empty_cache):
+    """megamoe_transpose_fp8 (the backward's K-major weight copies) against torch's transpose."""
+    w = (torch.randn(3, 256, 384) * torch.logspace(-2, 2, 384)).to(torch.bfloat16).cuda()
+    qt, scales_t = fp8.quantized_weight(w).transposed()
+    q, scales = fp8.quantize_blocks(w)
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
+    assert torch.equal(scales_t, scales.transpose(1, 2).contiguous())

@@ -240,6 +240,18 @@ int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* strea
 int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream);
 int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* stream);
 
+// Batched transpose of one-byte matrices: out[b, c, r] = in[b, r, c] for in [batches, rows, cols]
+// (rows and cols multiples of 128, both pointers 16-byte aligned): the K-major copies of e4m3 weights.
+typedef struct {
+  const void* in;
+  void* out;
+  int64_t batches;
+  int32_t rows;
+  int32_t cols;
+} megamoe_transpose_fp8_args;
+
+int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, void* stream);
+
 // ---------------------------------------------------------------------------------------------
 // Gated activations of the expert MLP: h = act(g) ⊙ u for the gate g and up u halves of x·w13ᵀ.
 // ---------------------------------------------------------------------------------------------
