@@ -1,4 +1,4 @@
-// Block-FP8 quantisation (csrc/kernels/fp8/quantize.cu): the argument checks, before any CUDA call,
+// Block-FP8 quantisation and transpose (csrc/kernels/fp8/): the argument checks, before any CUDA call,
 // so without a GPU. Their results are tested against the torch ops in tests/python/test_fp8.py.
 #include <gtest/gtest.h>
 
@@ -48,4 +48,26 @@ TEST(QuantizeValidation, BlocksRejectBadArguments) {
   a = good_blocks();
   a.rows = 0;  // nothing to quantise: no launch
   EXPECT_EQ(megamoe_quantize_blocks_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
+}
+
+TEST(TransposeValidation, RejectsBadArguments) {
+  using Transpose = megamoe_transpose_fp8_args;
+  expect_rejected(megamoe_transpose_fp8(nullptr, nullptr), "args must be non-null");
+  const Transpose good{check_buf, check_buf, 2, 128, 256};
+  const char* sizes = "need batches >= 0 and rows and cols positive multiples of 128";
+  for (const auto change : {+[](Transpose& a) { a.rows = 96; }, +[](Transpose& a) { a.cols = 0; },
+                            +[](Transpose& a) { a.batches = -1; }}) {
+    Transpose a = good;
+    change(a);
+    expect_rejected(megamoe_transpose_fp8(&a, nullptr), sizes);
+  }
+  Transpose a = good;
+  a.out = check_buf + 4;
+  expect_rejected(megamoe_transpose_fp8(&a, nullptr), "in and out must be 16-byte aligned");
+  a = good;
+  a.in = nullptr;
+  expect_rejected(megamoe_transpose_fp8(&a, nullptr), "null pointer");
+  a = good;
+  a.batches = 0;  // nothing to move: no launch
+  EXPECT_EQ(megamoe_transpose_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
 }
