@@ -38,6 +38,11 @@ instead of bf16 x ("fp8") and beside bf16 dy (the weight gradients read bf16 dy)
 for x. The owners run the single-rank FP8 kernels on the pulled pools, so every rank's output and
 gradients are bit for bit those of one rank holding every expert.
 
+Under torch.compile the layer is one custom op forward (megamoe::group_moe_forward) and one backward:
+the forward returns what its backward needs (the plan's buffer, every rank's token count, the pool of
+x) as tensors, whose sizes its fake implementation leaves unbacked, since only the all-gather knows
+the group's token total. The process group travels as its name.
+
 The host never waits for the whole queue: the metadata all-gather runs on a stream of its own (it
 waits for the previous call's collectives only, not for the kernels queued on the compute stream),
 and each call ends by waiting for its own first barrier and routing only (later kernels keep
@@ -206,11 +211,22 @@ def _workspace(group, device: torch.device) -> _Workspace:
 
 
 class _Meta:
-    """What every rank knows after the metadata all-gather: every rank's token count, the routes'
-    global numbering, this rank's plan over all routes and the shared buffers' sizes."""
+    """Every rank's token count, the routes' global numbering and this rank's plan over all routes:
+    what the forward learns from the metadata all-gather (gather) and the backward gets back from what
+    the forward kept, the plan's buffer and the token counts (kept)."""
 
-    def __init__(self, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str,
-                 recompute: bool):
+    def __init__(self, ws: _Workspace, tokens: list[int], top_k: int, num_local: int):
+        self.tokens, self.top_k, self.num_local = tokens, top_k, num_local
+        self.num_experts = num_local * ws.world
+        self.route_offsets = list(itertools.accumulate((t * top_k for t in tokens), initial=0))
+        self.offsets = (ctypes.c_int64 * (ws.world + 1))(*self.route_offsets)
+        self.total_routes = self.route_offsets[-1]
+        self.plan = self.id_range = None
+
+    @classmethod
+    def gather(cls, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str,
+               recompute: bool) -> _Meta:
+        """The metadata all-gather, the plan, and the shared buffers grown to this call's sizes."""
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
         shape = (x.shape[0], top_k, hidden, two_i, num_local)
@@ -221,22 +237,31 @@ class _Meta:
             if other[1:] != shape[1:]:
                 raise ValueError(f"every rank of the group needs the same K, H, 2I and E_local: rank {r} has "
                                  f"{other[1:]}, rank {ws.rank} {shape[1:]}")
-        self.tokens = [s[0] for s in shapes]
-        self.top_k, self.hidden, self.num_local = top_k, hidden, num_local
-        self.num_experts = num_local * ws.world
-        self.route_offsets = list(itertools.accumulate((t * top_k for t in self.tokens), initial=0))
-        self.offsets = (ctypes.c_int64 * (ws.world + 1))(*self.route_offsets)
-        self.total_routes = self.route_offsets[-1]
-        self.plan = self.id_range = None
-        if self.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
-            return
-        ids_all = self._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
-        self.plan = build_routing(ids_all, self.num_experts, ws.rank * num_local, num_local)
-        self.id_range = IdRangeCheck(self.plan, self.num_experts)
-        max_tokens = max(self.tokens)
+        meta = cls(ws, [s[0] for s in shapes], top_k, num_local)
+        if meta.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
+            return meta
+        ids_all = meta._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
+        meta.plan = build_routing(ids_all, meta.num_experts, ws.rank * num_local, num_local)
+        meta.id_range = IdRangeCheck(meta.plan, meta.num_experts)
+        ws.reserve(meta._buffer_sizes(hidden, precision, recompute))
+        return meta
+
+    @classmethod
+    def kept(cls, ws: _Workspace, tokens: torch.Tensor, plan_buffer: torch.Tensor, top_k: int,
+             num_local: int) -> _Meta:
+        """The forward's metadata from its token counts and plan buffer (the shared buffers already
+        have its sizes)."""
+        meta = cls(ws, tokens.tolist(), top_k, num_local)
+        if meta.total_routes:
+            meta.plan = RoutingPlan.from_buffer(plan_buffer, sum(meta.tokens), top_k, num_local, meta.num_experts,
+                                                ws.rank * num_local)
+        return meta
+
+    def _buffer_sizes(self, hidden: int, precision: str, recompute: bool) -> dict[str, tuple[int, torch.dtype]]:
+        max_tokens, top_k = max(self.tokens), self.top_k
         sizes = {"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
                  "route_to_slot": (self.total_routes, torch.int32),
-                 "out": (pool_capacity(self.total_routes, num_local) * hidden, torch.bfloat16),
+                 "out": (pool_capacity(self.total_routes, self.num_local) * hidden, torch.bfloat16),
                  "dp": (self.total_routes, torch.float32)}
         fp8_rows = {"rows_fp8": (max_tokens * hidden, torch.uint8),  # e4m3 rows, token-major scales
                     "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
@@ -245,7 +270,7 @@ class _Meta:
         if recompute:  # the backward publishes x again beside dy
             sizes |= ({f"x_{name}": size for name, size in fp8_rows.items()} if precision == "fp8"
                       else {"x_rows": sizes["rows"]})
-        ws.reserve(sizes)
+        return sizes
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
         """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device."""
@@ -365,7 +390,7 @@ def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Ten
 def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute):
     """(y, (x_pool, x_scales), meta): the layer's forward for this rank's tokens; x_scales is None but
     in "fp8", where the pool of x is e4m3."""
-    meta = _Meta(ws, x, topk_ids, w13, precision, recompute)
+    meta = _Meta.gather(ws, x, topk_ids, w13, precision, recompute)
     plan = meta.plan
     if meta.total_routes == 0:
         return torch.zeros_like(x), (x.new_empty(0, x.shape[1]), None), meta
@@ -426,26 +451,108 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights
     return dx, dp.view(topk_weights.shape).to(topk_weights.dtype), dw13, dw2
 
 
-class _GroupMoE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w13, w2, ws, activation, precision, recompute):
-        y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision,
-                                               recompute)
-        ctx.ws, ctx.meta, ctx.activation, ctx.precision, ctx.recompute = ws, meta, activation, precision, recompute
-        kept = (x, None, None) if recompute else (None, x_pool, x_scales)  # recompute keeps the input only
-        ctx.save_for_backward(*kept, topk_weights, w13, w2)
-        return y
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, x_pool, x_scales, topk_weights, w13, w2 = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        main_grads = [main_grad_of(w, name) if need else None
-                      for w, name, need in ((w13, "w13", needs[3]), (w2, "w2", needs[4]))]
-        dx, dweights, dw13, dw2 = _backward(ctx.ws, ctx.meta, dy, x, x_pool, x_scales, topk_weights, w13, w2,
-                                            *main_grads, ctx.activation, ctx.precision)
-        return (dx if needs[0] else None, None, dweights if needs[2] else None, dw13 if needs[3] else None,
-                dw2 if needs[4] else None, None, None, None, None)
+
+def _empty_kept(x: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_pool, x_scales, plan, tokens) when nothing is kept."""
+    return (x.new_empty(0, x.shape[1]), x.new_empty(0, dtype=torch.float32),
+            x.new_empty(0, dtype=torch.int32), torch.zeros(world, dtype=torch.int64))
+
+
+@torch.library.custom_op("megamoe::group_moe_forward", mutates_args=())
+def group_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
+                      keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x_pool, x_scales, plan, tokens) of this rank over the process group named group_name. With
+    keep (a backward will run): the routing plan's buffer, every rank's token count (int64 on the
+    host) and, unless recompute, this owner's pool of x (e4m3 with its scales [H / 128, rows] in
+    "fp8", bf16 and empty scales otherwise); all empty without keep. One op, so torch.compile
+    traces a layer with group= as one node (the fake implementation sizes what is kept by the
+    group's token total, which only the all-gather knows)."""
+    ws = _workspace(_group(group_name), x.device)
+    y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute)
+    empty_pool, empty_scales, empty_plan, no_tokens = _empty_kept(x, ws.world)
+    if not keep:
+        return y, empty_pool, empty_scales, empty_plan, no_tokens
+    if recompute:
+        x_pool, x_scales = empty_pool, empty_scales
+    return (y, x_pool, empty_scales if x_scales is None else x_scales,
+            empty_plan if meta.plan is None else meta.plan.buffer, torch.tensor(meta.tokens, dtype=torch.int64))
+
+
+@group_moe_forward.register_fake
+def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, recompute, keep):
+    check_activation(activation)
+    check_fused_precision(precision)
+    world = _group(group_name).size()
+    x_pool, x_scales, plan, tokens = _empty_kept(x, world)
+    if keep:  # sized by the group's token total: one unbacked size each, as torch.compile requires
+        ctx = torch.library.get_ctx()
+        plan = x.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
+        if not recompute:
+            rows, hidden = ctx.new_dynamic_size(), x.shape[1]
+            if precision == "fp8":
+                x_pool = x.new_empty(rows, hidden, dtype=torch.float8_e4m3fn)
+                x_scales = x.new_empty(hidden // fp8.BLOCK, rows, dtype=torch.float32)
+            else:
+                x_pool = x.new_empty(rows, hidden)
+    return torch.empty_like(x), x_pool, x_scales, plan, tokens
+
+
+@torch.library.custom_op("megamoe::group_moe_backward", mutates_args=("main_grad13", "main_grad2"))
+def group_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, x_pool: torch.Tensor, x_scales: torch.Tensor, plan: torch.Tensor,
+                       tokens: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
+                       main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d topk_weights, dw13, dw2) from what group_moe_forward kept (x: the input with recompute,
+    else empty). Every rank computes all four (the owners' kernels serve every rank); a weight
+    gradient added into its main_grad comes back empty."""
+    ws = _workspace(_group(group_name), dy.device)
+    meta = _Meta.kept(ws, tokens, plan, topk_weights.shape[1], w13.shape[0])
+    kept_pool = (None, None) if recompute else (x_pool, x_scales if x_scales.numel() else None)
+    dx, dweights, dw13, dw2 = _backward(ws, meta, dy, x, *kept_pool, topk_weights, w13, w2, main_grad13, main_grad2,
+                                        activation, precision)
+    return dx, dweights, *(w.new_empty(0) if g is None else g for g, w in ((dw13, w13), (dw2, w2)))
+
+
+@group_moe_backward.register_fake
+def _(dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens, group_name, activation, precision, recompute,
+      main_grad13, main_grad2):
+    return (torch.empty_like(dy), torch.empty_like(topk_weights),
+            *(w.new_empty(0) if main is not None else torch.empty_like(w) for w, main in ((w13, main_grad13),
+                                                                                        (w2, main_grad2))))
+
+
+def _setup_context(ctx, inputs, output):
+    x, _, topk_weights, w13, w2, group_name, activation, precision, recompute, _ = inputs
+    _, x_pool, x_scales, plan, tokens = output
+    ctx.group_name, ctx.activation, ctx.precision, ctx.recompute = group_name, activation, precision, recompute
+    ctx.mark_non_differentiable(x_pool, x_scales, plan, tokens)
+    ctx.set_materialize_grads(False)
+    kept_x = x if recompute else x.new_empty(0, x.shape[1])  # recompute keeps the input, not the pool
+    ctx.save_for_backward(kept_x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens)
+
+
+def _backward_of_forward(ctx, dy, _dx_pool, _dx_scales, _dplan, _dtokens):
+    x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+    if not any(needs) or dy is None:
+        return (None,) * 10
+    main_grads = [main_grad_of(w, name) if need else None
+                  for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
+    dx, dweights, dw13, dw2 = group_moe_backward(dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens,
+                                                 ctx.group_name, ctx.activation, ctx.precision, ctx.recompute,
+                                                 *main_grads)
+    wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
+    dx, dweights, dw13, dw2 = (g if want else None for g, want in zip((dx, dweights, dw13, dw2), wants))
+    return dx, None, dweights, dw13, dw2, None, None, None, None, None
+
+
+group_moe_forward.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu", precision: str = "bf16",
@@ -456,5 +563,6 @@ def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swig
     calls in the same order."""
     check_activation(activation)
     check_fused_precision(precision)
-    return _GroupMoE.apply(x, topk_ids, topk_weights, w13, w2, _workspace(group, x.device), activation, precision,
-                           recompute)
+    backward_will_run = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
+    return group_moe_forward(x, topk_ids, topk_weights, w13, w2, group.group_name, activation, precision, recompute,
+                             backward_will_run)[0]

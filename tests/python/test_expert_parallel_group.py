@@ -4,6 +4,7 @@ group, peer access between the GPUs); every rank's output and gradients must equ
 the single-rank fused layer on the whole problem."""
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -30,16 +31,19 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
-                            activation="swiglu", precision="bf16", recompute=False):
+                            activation="swiglu", precision="bf16", recompute=False, compiled=False):
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
     torch.cuda.set_device(rank if one_gpu_per_rank else 0)
     torch.manual_seed(0)  # the same problem in every process
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
     dy = torch.randn_like(whole[0])
+    layer = functools.partial(megamoe.moe, group=dist.group.WORLD, activation=activation, precision=precision,
+                              recompute=recompute)
+    if compiled:
+        layer = torch.compile(layer, fullgraph=True)
     for _ in range(2):  # the second call reuses the shared buffers and the barrier's epochs
         x, w, w13, w2 = (_leaf(t) for t in (xs[rank], weights[rank], w13s[rank], w2s[rank]))
-        y = megamoe.moe(x, ids[rank], w, w13, w2, group=dist.group.WORLD, activation=activation,
-                        precision=precision, recompute=recompute)
+        y = layer(x, ids[rank], w, w13, w2)
         y.backward(dy.split(tokens_per_rank)[rank])
 
     x1, w1, w131, w21 = (_leaf(t) for t in (whole[0], whole[2], whole[3], whole[4]))
@@ -129,6 +133,13 @@ def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank,
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("fp8", True)])
+def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path, precision, recompute):
+    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, False, "swiglu", precision, recompute, True)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
     _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True)
@@ -194,3 +205,41 @@ def test_ep_bench_ranks_derive_the_same_iteration_counts_from_the_slowest_probe(
         assert (budget(1000.0).warmup, budget(1000.0).repeat) == (3, 3)  # the floors: --warmup, MIN_REPEATS
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("bf16", True), ("fp8", False), ("fp8_bwd", True)])
+def test_group_traces_whole_under_torch_compile(world_of_one, monkeypatch, precision, recompute):
+    """torch.compile(fullgraph=True) of a layer with group= traces into one graph holding one forward
+    and one backward op (through their fake implementations). Tracing only: the backend stops before
+    anything runs, and the fused path's device checks are lifted, since no kernel is reached."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._functorch.partitioners import default_partition
+
+    class Traced(Exception):
+        pass
+
+    monkeypatch.setattr(megamoe.functional, "check_fused_support", lambda *args: None)
+    traced = {}
+
+    def partition(joint, *args, **kwargs):
+        forward, backward = default_partition(joint, *args, **kwargs)
+        traced["joint"] = str(joint.graph)
+        (outputs,) = [n.args[0] for n in backward.graph.nodes if n.op == "output"]
+        traced["grads"] = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in outputs if n is not None]
+        return forward, backward
+
+    def stop(*args):
+        raise Traced
+
+    torch._dynamo.reset()
+    layer = torch.compile(functools.partial(megamoe.moe, group=world_of_one, precision=precision,
+                                            recompute=recompute),
+                          backend=aot_autograd(fw_compiler=stop, partition_fn=partition), fullgraph=True)
+    xs, ids, weights, w13s, w2s, _ = _problem([64], 8, "cpu")
+    inputs = [_leaf(t) for t in (xs[0], weights[0], w13s[0], w2s[0])]
+    with pytest.raises(BackendCompilerFailed) as failed:
+        layer(inputs[0], ids[0], *inputs[1:])
+    assert isinstance(failed.value.inner_exception, Traced)
+    assert "megamoe.group_moe_forward" in traced["joint"] and "megamoe.group_moe_backward" in traced["joint"]
+    assert traced["grads"] == [(tuple(t.shape), t.dtype) for t in inputs]
