@@ -34,8 +34,8 @@ own timeout, `init_process_group(timeout=...)`.)
 
 Block FP8 (precision "fp8" / "fp8_bwd", the single-rank op's recipe, megamoe/fused.py): each rank
 quantises its own rows once per token (1 x 128 scales), and the e4m3 rows and their scales travel
-instead of bf16 x ("fp8") and beside bf16 dy (the weight gradients read bf16 dy): half the bytes
-for x. The owners run the single-rank FP8 kernels on the pulled pools, so every rank's output and
+instead of bf16 x in the forward ("fp8") and beside bf16 dy (the weight gradients read bf16 dy):
+half the bytes for x. In "fp8" the backward pulls x's bf16 rows too, for dW13. The owners run the single-rank FP8 kernels on the pulled pools, so every rank's output and
 gradients are bit for bit those of one rank holding every expert.
 
 Under torch.compile the layer is one custom op forward (megamoe::group_moe_forward) and one backward:
@@ -267,9 +267,10 @@ class _Meta:
                     "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
         if precision != "bf16":
             sizes |= fp8_rows
-        if recompute:  # the backward publishes x again beside dy
-            sizes |= ({f"x_{name}": size for name, size in fp8_rows.items()} if precision == "fp8"
-                      else {"x_rows": sizes["rows"]})
+        if recompute and precision == "fp8":  # the backward publishes x again beside dy, in e4m3 for z
+            sizes |= {f"x_{name}": size for name, size in fp8_rows.items()}
+        if recompute or precision == "fp8":  # and in bf16 for dW13 (and z in bf16)
+            sizes |= {"x_rows": sizes["rows"]}
         return sizes
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
@@ -350,21 +351,20 @@ def _fp8_pool(pools: dict[str, torch.Tensor], hidden: int, prefix: str = "") -> 
 
 
 def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, activation: str = "swiglu",
-                   x_scales: torch.Tensor | None = None,
-                   dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   x_scales: torch.Tensor | None = None, dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   x_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
     z recomputed, dh through the activation's backward, dx per route in pool order into dx_pool, its
     experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
     plan's routes (every rank's) in fp32, 0 for the routes it does not own. (The tests' virtual ranks run it too.)
     In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with its scales,
     makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in FP8, dW13 on
-    the dequantised pool), without it bf16 ("fp8_bwd")."""
+    x_bf16, the pool of x's bf16 rows), without it bf16 ("fp8_bwd", and x_bf16 is x_pool)."""
     if x_scales is None:
         z, x_bf16 = grouped_gemm(x_pool, w13, plan), x_pool
     else:
         w13_fp8 = fp8.quantized_weight(w13)
         z = grouped_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan)
-        x_bf16 = fp8.dequantize_rows(x_pool, x_scales, torch.bfloat16)
     in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
     if dy_fp8 is None:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
@@ -428,8 +428,10 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
     dy = dy.contiguous()
     rows = {"rows": dy} if precision == "bf16" else {"rows": dy, **_fp8_rows(dy)}
-    if x_pool is None:
-        rows |= _fp8_rows(x, "x_") if precision == "fp8" else {"x_rows": x}
+    if x_pool is None and precision == "fp8":
+        rows |= _fp8_rows(x, "x_")
+    if x_pool is None or precision == "fp8":  # dW13 reads x's bf16 rows, not the e4m3 pool of "fp8"
+        rows |= {"x_rows": x}
     pools, p_pool = _publish_and_pull(ws, meta, plan, rows, weights)
     if x_pool is None:
         x_pool, x_scales = _fp8_pool(pools, x.shape[1], "x_") if precision == "fp8" else (pools["x_rows"], None)
@@ -438,7 +440,7 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights
     ws.local("dp", meta.total_routes).copy_(owner_backward(
         x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool,
         dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation,
-        x_scales, dy_fp8))
+        x_scales, dy_fp8, pools.get("x_rows")))
     del pools, x_pool, x_scales, dy_pool, dy_fp8, p_pool
     dx = _combine(ws, meta, torch.ones_like(weights), dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.

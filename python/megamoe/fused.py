@@ -18,8 +18,9 @@ the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and di
 their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come
 from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
 (dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dz is quantised per row for dx.
-The weight gradients stay bf16 GEMMs (on the dequantised x pool in "fp8"). Kept for the backward in
-"fp8": the e4m3 pool of x with its scales, z (bf16) and the plan.
+The weight gradients stay bf16 GEMMs on the bf16 rows of x, dy, p·h and dz. Kept for the backward in
+"fp8": z (bf16) and the plan; the backward dispatches x again, in bf16, for dW13 (x's e4m3 pool
+would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes).
 """
 
 from __future__ import annotations
@@ -35,121 +36,99 @@ from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision, main_grad_of
 
 
-class _Pool:
-    """The routing plan and the expert-major pool of x (bf16, or e4m3 with its scales in FP8): what
-    forward and backward both start from."""
-
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, num_local: int, fp8_x: bool,
-                 x_pool: torch.Tensor | None = None, x_scales: torch.Tensor | None = None,
-                 plan_buffer: torch.Tensor | None = None, check_ids: bool = False):
-        """plan_buffer: the forward's plan (RoutingPlan.buffer), or None to build it; x_pool (and in FP8
-        x_scales): the forward's pool, or None to dispatch x again."""
-        self.num_tokens, self.top_k = topk_ids.shape
-        self.plan = (build_routing(topk_ids.to(torch.int32).contiguous(), num_local) if plan_buffer is None
-                     else RoutingPlan.from_buffer(plan_buffer, self.num_tokens, self.top_k, num_local))
-        self.id_range = IdRangeCheck(self.plan, num_local) if check_ids else None
-        self.rows = self.plan.block_expert.numel() * _native.BLOCK_M
-        if x_pool is not None:
-            self.x, self.x_scales = x_pool, x_scales
-        elif fp8_x:
-            self.x, self.x_scales = dispatch_fp8(self.plan, x)
-        else:
-            self.x, self.x_scales = dispatch(self.plan, x), None
-
-    def x_bf16(self) -> torch.Tensor:
-        """The pool of x in bf16 (dequantised in FP8)."""
-        if self.x_scales is None:
-            return self.x
-        return fp8.dequantize_rows(self.x, self.x_scales, torch.bfloat16)
-
-    def z(self, w13: torch.Tensor) -> torch.Tensor:
-        """[rows, 2I]: the gate | up pre-activations x·w13ᵀ, recomputed in the pool's precision."""
-        if self.x_scales is None:
-            return grouped_gemm(self.x, w13, self.plan)
-        w13_fp8 = fp8.quantized_weight(w13)
-        return grouped_gemm_fp8(self.x, self.x_scales, w13_fp8.q, w13_fp8.scales, self.plan)
-
-    def routed(self, hidden: int) -> torch.Tensor:
-        """[T·K, H] bf16: one row per (token, k) route, written by the scatter GEMMs."""
-        return torch.empty(self.num_tokens * self.top_k, hidden, dtype=torch.bfloat16,
-                           device=self.plan.buffer.device)
+def _plan(topk_ids: torch.Tensor, num_local: int, plan_buffer: torch.Tensor | None = None) -> RoutingPlan:
+    """The routing plan: the forward's (plan_buffer, RoutingPlan.buffer), or built."""
+    if plan_buffer is None:
+        return build_routing(topk_ids.to(torch.int32).contiguous(), num_local)
+    return RoutingPlan.from_buffer(plan_buffer, topk_ids.shape[0], topk_ids.shape[1], num_local)
 
 
-def _forward_experts(pool: _Pool, w13, w2, activation, z, fp8_forward: bool) -> torch.Tensor:
-    """[T·K, H]: each route's expert output (GEMM1 with the activation, then GEMM2 into the routes' rows)."""
-    routed = pool.routed(w13.shape[2])
+def _pool_rows(plan: RoutingPlan) -> int:
+    return plan.block_expert.numel() * _native.BLOCK_M
+
+
+def _routed(plan: RoutingPlan, x: torch.Tensor) -> torch.Tensor:
+    """[T·K, H] bf16: one row per (token, k) route, written by the scatter GEMMs."""
+    return x.new_empty(plan.route_to_slot.numel(), x.shape[1], dtype=torch.bfloat16)
+
+
+def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
+                     fp8_forward: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(routed [T·K, H]: each route's expert output, the bf16 pool of x or None in FP8): x dispatched
+    into the pool (e4m3 with its scales in FP8), GEMM1 with the activation (writing z unless it is
+    None), then GEMM2 into the routes' rows."""
+    routed = _routed(plan, x)
     if fp8_forward:
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
-        h, h_scales = gated_gemm_fp8(pool.x, pool.x_scales, w13_fp8.q, w13_fp8.scales, pool.plan, activation, z)
-        grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, pool.plan, routed)
-    else:
-        h = gated_gemm(pool.x, w13, pool.plan, activation, z)
-        grouped_gemm_scatter(h, w2, pool.plan, None, routed)
-    return routed
+        x_pool, x_scales = dispatch_fp8(plan, x)
+        h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation, z)
+        del x_pool, x_scales
+        grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, routed)
+        return routed, None
+    x_pool = dispatch(plan, x)
+    h = gated_gemm(x_pool, w13, plan, activation, z)
+    grouped_gemm_scatter(h, w2, plan, None, routed)
+    return routed, x_pool
 
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, keep: bool,
-                      keep_plan: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x_pool, x_scales, z, plan) with the experts' h = act(gate) · up for `activation`
-    (megamoe.activation) in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep,
-    the pool of x [pool rows, H] (e4m3 in "fp8", with x_scales [H / 128, pool rows]; otherwise bf16
-    and x_scales empty) and GEMM1's gate | up output z [pool rows, 2I] bf16 for the backward;
-    otherwise all empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the
+                      keep_plan: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation)
+    in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
+    output z [pool rows, 2I] bf16 for the backward, and after a bf16 forward its pool of x
+    [pool rows, H] (bf16, what dW13 reads; the e4m3 pool of an FP8 forward is not, so "fp8" keeps
+    none); otherwise empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the
     backward does not build it again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
-    x_pool, x_scales, z = x.new_empty(0), x.new_empty(0, dtype=torch.float32), x.new_empty(0)
-    plan = topk_ids.new_empty(0, dtype=torch.int32)
+    x_pool, z, plan_buffer = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, x_scales, z, plan
-    fp8_forward = precision == "fp8"
-    pool = _Pool(x, topk_ids, w13.shape[0], fp8_forward, check_ids=True)
+        return torch.empty_like(x), x_pool, z, plan_buffer
+    plan = _plan(topk_ids, w13.shape[0])
+    id_range = IdRangeCheck(plan, w13.shape[0])
     if keep:
-        x_pool, z = pool.x, x.new_empty(pool.rows, w13.shape[1])
-        if fp8_forward:
-            x_scales = pool.x_scales
+        z = x.new_empty(_pool_rows(plan), w13.shape[1])
     if keep_plan:
-        plan = pool.plan.buffer
-    routed = _forward_experts(pool, w13, w2, activation, z if keep else None, fp8_forward)
-    del pool.x, pool.x_scales
-    y = combine(pool.plan, routed, topk_weights)
-    pool.id_range.raise_if_any()
-    return y, x_pool, x_scales, z, plan
+        plan_buffer = plan.buffer
+    routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")
+    if keep and pool is not None:
+        x_pool = pool
+    del pool
+    y = combine(plan, routed, topk_weights)
+    id_range.raise_if_any()
+    return y, x_pool, z, plan_buffer
 
 
 @fused_moe_forward.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_plan):
     check_activation(activation)
     check_fused_precision(precision)
-    x_pool, x_scales, z = x.new_empty(0), x.new_empty(0, dtype=torch.float32), x.new_empty(0)
-    plan = topk_ids.new_empty(0, dtype=torch.int32)
+    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, x_scales, z, plan
+        return torch.empty_like(x), x_pool, z, plan
     if keep:
         rows = pool_capacity(topk_ids.numel(), w13.shape[0])
-        x_pool, z = x.new_empty(rows, x.shape[1]), x.new_empty(rows, w13.shape[1])
-        if precision == "fp8":
-            x_pool = x.new_empty(rows, x.shape[1], dtype=torch.float8_e4m3fn)
-            x_scales = x.new_empty(x.shape[1] // fp8.BLOCK, rows, dtype=torch.float32)
+        z = x.new_empty(rows, w13.shape[1])
+        if precision != "fp8":
+            x_pool = x.new_empty(rows, x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
                                   dtype=torch.int32)
-    return torch.empty_like(x), x_pool, x_scales, z, plan
+    return torch.empty_like(x), x_pool, z, plan
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
-                       precision: str, x_pool: torch.Tensor, x_scales: torch.Tensor, z: torch.Tensor,
-                       plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
-                       main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
+                       need_dweights: bool, need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None,
+                       main_grad2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    activation, precision: the forward's. x_pool, x_scales, z, plan: what fused_moe_forward kept, or
-    empty to gather, recompute and rebuild them.
+    activation, precision: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to
+    dispatch, recompute and rebuild them.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
@@ -160,14 +139,17 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     if topk_ids.shape[0] == 0:
         return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    kept = x_pool.numel() > 0
-    pool = _Pool(x, topk_ids, w13.shape[0], precision == "fp8", x_pool if kept else None,
-                 x_scales if kept and precision == "fp8" else None, plan if plan.numel() else None)
-    plan = pool.plan
+    plan = _plan(topk_ids, w13.shape[0], plan if plan.numel() else None)
+    x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     dy_pool, p_pool = dispatch(plan, dy, topk_weights)
-    if z.numel() == 0:
-        z = pool.z(w13)
+    if z.numel() == 0:  # recompute: z in the forward's precision (a bf16 pool of x serves dW13 too)
+        if precision == "fp8":
+            w13_fp8 = fp8.quantized_weight(w13)
+            z = grouped_gemm_fp8(*dispatch_fp8(plan, x), w13_fp8.q, w13_fp8.scales, plan)
+        else:
+            x_pool = dispatch(plan, x)
+            z = grouped_gemm(x_pool, w13, plan)
     if fp8_backward:
         dy_fp8, dy_scales = dispatch_fp8(plan, dy)
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
@@ -185,7 +167,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
     del dy_pool, hp
     if need_dx:
-        routed = pool.routed(x.shape[1])
+        routed = _routed(plan, x)
         if fp8_backward:
             dz_fp8, dz_scales = fp8.quantize_rows(dz)
             w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
@@ -195,8 +177,9 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
         del routed
-    if need_dw13:
-        weight_grad(dz, pool.x_bf16(), plan, dw13 if main_grad13 is None else main_grad13)
+    if need_dw13:  # on the bf16 rows of x, dispatched here after an FP8 forward (it kept none)
+        weight_grad(dz, dispatch(plan, x) if x_pool is None else x_pool, plan,
+                    dw13 if main_grad13 is None else main_grad13)
     return dx, dweights, dw13, dw2
 
 
@@ -206,8 +189,8 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, x_scales, z, plan, need_dx,
-      need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, need_dx, need_dweights,
+      need_dw13, need_dw2, main_grad13, main_grad2):
     check_activation(activation)
     check_fused_precision(precision)
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
@@ -216,22 +199,22 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, x_s
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, activation, precision, _, _ = inputs
-    _, x_pool, x_scales, z, plan = output
+    _, x_pool, z, plan = output
     ctx.activation, ctx.precision = activation, precision
-    ctx.mark_non_differentiable(x_pool, x_scales, z, plan)
+    ctx.mark_non_differentiable(x_pool, z, plan)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for what the backward reads
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, x_scales, z, plan)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
 
 
-def _backward(ctx, dy, _dx_pool, _dx_scales, _dz, _dplan):
-    x, topk_ids, topk_weights, w13, w2, x_pool, x_scales, z, plan = ctx.saved_tensors
+def _backward(ctx, dy, _dx_pool, _dz, _dplan):
+    x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
         return None, None, None, None, None, None, None, None, None
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool,
-                               x_scales, z, plan, *needs, *main_grads)
+    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z,
+                               plan, *needs, *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
     return dx, None, dweights, dw13, dw2, None, None, None, None

@@ -62,13 +62,14 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     quantises x per token and h per row (1 x 128), w13 and w2 per 128 x 128 block; "fp8" and
     "fp8_bwd" (bf16 forward): the data-gradient GEMMs quantise dy per token and dz per row (1 x 128)
     with the weights' blocks (dh = dy·w2, dx = dz·w13). dp = ⟨h, dh⟩ with h before its quantisation;
-    the weight gradients take unquantised dy, h and dz and the x the forward used. In the FP8
+    the weight gradients take unquantised dy, h, dz and x. In the FP8
     backward the tensors the kernels hold in bf16 are rounded to bf16 where they do: z (kept from the
     forward) and dz (quantised from bf16)."""
     check_activation(activation)
     fp8_forward, fp8_backward = precision == "fp8", precision in ("fp8", "fp8_bwd")
     ids, p = topk_ids.long(), topk_weights.double()
-    xf = _fp8_rows(x) if fp8_forward else x.double()
+    xd = x.double()
+    xf = _fp8_rows(x) if fp8_forward else xd
     exact, blocks = (w13.double(), w2.double()), None
     if fp8_backward:  # fp8_forward implies it: the weights' 128 x 128 round trip, made once
         blocks = (_fp8_blocks(w13), _fp8_blocks(w2))
@@ -100,7 +101,7 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
         dz = torch.cat([pe * dh * up * act_grad, pe * dh * act], dim=1)
         dx.index_add_(0, t, (_fp8_rows(_bf16(dz)) if fp8_backward else dz) @ w13b[e])
         dw2[e] = dyd[t].T @ (pe * h)
-        dw13[e] = dz.T @ xf[t]
+        dw13[e] = dz.T @ xd[t]
     return y, dx, dp, dw13, dw2
 
 

@@ -222,14 +222,16 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, x_pool, x_scales, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True)
-        _, no_x_pool, _, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False)
-        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", "bf16", x_pool, x_scales, z, plan, True,
-                                   False, True, True, None, None)
+        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True)
+        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False)
+        _, fp8_x_pool, fp8_z, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "fp8", True, True)
+        grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", "bf16", x_pool, z, plan, True, False, True,
+                                   True, None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
+    assert fp8_x_pool.numel() == 0 and fp8_z.shape == z.shape  # "fp8" keeps z; dW13 dispatches bf16 x again
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
 
