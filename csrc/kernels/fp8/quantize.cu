@@ -1,6 +1,5 @@
-// Block-FP8 quantisation of activation rows (DeepSeek-V3 recipe, as megamoe.fp8.quantize_rows): per
-// row and 128 columns, scale = amax / 448 (1 for an all-zero block; NaN when the block holds a NaN,
-// so the block stays non-finite), q = value / scale rounded to e4m3 (nearest even, saturating).
+// Block-FP8 quantisation of activation rows (DeepSeek-V3 recipe, as megamoe.fp8.quantize_rows): one
+// scale per row and 128 columns, rounded as e4m3.cuh says.
 // One warp per (row, 128-column block), 4 columns per lane: one 8-byte load, one 4-byte store.
 // The weights' 128 x 128 recipe (as megamoe.fp8.quantize_blocks): one CTA per block, 64 values per
 // thread in registers, so the block is read once.
@@ -11,13 +10,13 @@
 #include <string>
 
 #include "common/status.h"
+#include "kernels/fp8/e4m3.cuh"
 
 namespace megamoe {
 namespace {
 
 constexpr int kBlock = 128;
 constexpr int kWarpsPerCta = 8;
-constexpr float kE4m3Max = 448.0f;
 
 struct Bf16x4 {
   __nv_bfloat162 lo, hi;
@@ -44,13 +43,8 @@ quantize_rows(const Bf16x4* __restrict__ a, uint32_t* __restrict__ q, float* __r
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = __any_sync(0xffffffffu, nan) ? __int_as_float(0x7fffffff)
-                                                     : (amax > 0.f ? amax / kE4m3Max : 1.f);
-    const __nv_fp8x2_storage_t q_lo = __nv_cvt_float2_to_fp8x2(make_float2(x[0] / scale, x[1] / scale),
-                                                               __NV_SATFINITE, __NV_E4M3);
-    const __nv_fp8x2_storage_t q_hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2] / scale, x[3] / scale),
-                                                               __NV_SATFINITE, __NV_E4M3);
-    q[i] = uint32_t(q_lo) | (uint32_t(q_hi) << 16);
+    const float scale = fp8::block_scale(amax, __any_sync(0xffffffffu, nan));
+    q[i] = uint32_t(fp8::to_e4m3x2(x[0], x[1], scale)) | (uint32_t(fp8::to_e4m3x2(x[2], x[3], scale)) << 16);
     if (lane == 0) scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = scale;
   }
 }
@@ -94,7 +88,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
   amax = 0.f;
 #pragma unroll
   for (int w = 0; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float scale = any_nan ? __int_as_float(0x7fffffff) : (amax > 0.f ? amax / kE4m3Max : 1.f);
+  const float scale = fp8::block_scale(amax, any_nan);
   if (threadIdx.x == 0) scales[block] = scale;
 #pragma unroll
   for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
@@ -102,11 +96,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* v = x[i] + 4 * half;
-      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale),
-                                                               __NV_SATFINITE, __NV_E4M3);
-      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale),
-                                                               __NV_SATFINITE, __NV_E4M3);
-      packed[half] = uint32_t(lo) | (uint32_t(hi) << 16);
+      packed[half] = uint32_t(fp8::to_e4m3x2(v[0], v[1], scale)) | (uint32_t(fp8::to_e4m3x2(v[2], v[3], scale)) << 16);
     }
     q[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = make_uint2(packed[0], packed[1]);
   }

@@ -61,6 +61,15 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// ld.shared.v4 (a plain dereference of the carved pointer compiles to a generic LD).
+__device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(cute::cast_smem_ptr_to_uint(p)));
+  return v;
+}
+
 // Named barrier over one math warpgroup (id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));

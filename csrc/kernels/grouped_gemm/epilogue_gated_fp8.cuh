@@ -12,12 +12,11 @@
 
 #include <cuda_fp8.h>
 
+#include "kernels/fp8/e4m3.cuh"
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
 
 namespace megamoe::grouped_gemm {
-
-constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ void store_shared_u16(uint8_t* p, uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(p)), "h"(v));
@@ -79,7 +78,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     for (int half = 0; half < 2; ++half) {
       amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
       amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 2));
-      const float scale = amax[half] > 0.f ? amax[half] / kE4m3Max : 1.f;
+      const float scale = amax[half] > 0.f ? amax[half] / fp8::kE4m3Max : 1.f;
       const float inverse = 1.f / scale;
 #pragma unroll
       for (int j = 0; j < kHalf / 4; j += 2) {

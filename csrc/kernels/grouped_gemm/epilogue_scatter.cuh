@@ -22,15 +22,6 @@
 
 namespace megamoe::grouped_gemm {
 
-// ld.shared.v4 (a plain dereference of the carved pointer compiles to a generic LD).
-__device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(cute::cast_smem_ptr_to_uint(p)));
-  return v;
-}
-
 struct ScatterArguments {
   void* out_rows;               // [num_out_rows, N] bf16
   const int32_t* row_of_slot;   // [pool rows]: out row of each pool row, -1: none; null: the plan's slot_to_route

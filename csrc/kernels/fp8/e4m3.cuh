@@ -1,0 +1,24 @@
+// The block-FP8 recipe's rounding (DeepSeek-V3; megamoe.fp8): one fp32 scale per block of values,
+// scale = amax / 448 (1 for an all-zero block, whose values are 0 either way; NaN when the block holds
+// a NaN, so the block stays non-finite), q = value / scale rounded to e4m3, nearest even, saturating.
+// Shared by the quantisation kernels and the epilogues that quantise, so both give the same bytes.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace megamoe::fp8 {
+
+constexpr float kE4m3Max = 448.0f;
+
+__device__ __forceinline__ float block_scale(float amax, bool nan) {
+  return nan ? __int_as_float(0x7fffffff) : (amax > 0.f ? amax / kE4m3Max : 1.f);
+}
+
+// Two values as two e4m3 bytes (the first in the low byte).
+__device__ __forceinline__ uint16_t to_e4m3x2(float a, float b, float scale) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+}  // namespace megamoe::fp8
