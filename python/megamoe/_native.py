@@ -46,6 +46,8 @@ RoutingShape = _struct("megamoe_routing_shape", ("num_tokens", _i64), ("top_k", 
 RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
     "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
     "num_invalid", "workspace")), ("shape", RoutingShape))
+DispatchFp8Args = _struct("megamoe_dispatch_fp8_args", ("x", _ptr), ("pool", _ptr), ("pool_scales", _ptr),
+                          ("hidden", _i32))
 DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),
                        ("weights_pool", _ptr), ("row_bytes", _i32))
 CombineArgs = _struct("megamoe_combine_args", ("routed", _ptr), ("topk_weights", _ptr), ("y", _ptr),
@@ -87,7 +89,7 @@ DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _p
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
                          ("m", _i32), ("n", _i32), ("output", _i32))
 
-STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
+STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
            GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs,
            ScatterGemmFp8Args, GatedBackwardArgs,
            GatedBackwardFp8Args, DpReduceArgs, WeightGradArgs)
@@ -110,6 +112,7 @@ SIGNATURES = {
     "megamoe_build_routing_cuda": (ctypes.c_int, [_ptr, _p(RoutingPlan), _ptr]),
     "megamoe_build_routing_host": (ctypes.c_int, [_ptr, _p(RoutingPlan)]),
     "megamoe_dispatch_bf16": _plan_op(DispatchArgs),
+    "megamoe_dispatch_fp8": _plan_op(DispatchFp8Args),
     "megamoe_combine_bf16": _plan_op(CombineArgs),
     "megamoe_dispatch_peers_bf16": _plan_op(DispatchPeersArgs),
     "megamoe_combine_peers_bf16": (ctypes.c_int, [_p(CombinePeersArgs), _ptr]),

@@ -36,10 +36,15 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
 
 
 def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched: (e4m3 pool
-    [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read); padding rows are 0."""
-    q, token_scales = fp8.quantize_rows(rows, token_major=True)  # a token's scales: a 16-byte row of their own
-    return dispatch(plan, q), pool_scales(dispatch(plan, token_scales), rows.shape[1])
+    """bf16 rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched in one
+    pass: (e4m3 pool [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read);
+    padding rows are 0 with scale 0."""
+    pool = torch.empty(plan.slot_to_route.numel(), rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(rows.shape[1] // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
+    _native.call("megamoe_dispatch_fp8", "FP8 dispatch", plan.native(),
+                 _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1]),
+                 _native.stream(rows.device))
+    return pool, scales
 
 
 def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:

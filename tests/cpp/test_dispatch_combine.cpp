@@ -165,6 +165,19 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
           {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, dispatch_null},
       });
 
+  using DispatchFp8 = megamoe_dispatch_fp8_args;
+  auto* scales = reinterpret_cast<float*>(check_buf);
+  const char* fp8_null = "x, pool, pool_scales and the plan's route_to_slot, slot_to_route and num_blocks";
+  expect_rejections<DispatchFp8>(
+      megamoe_dispatch_fp8, unread_plan({1, 1, 1, 0, 1}), DispatchFp8{p, p, scales, 256},
+      {
+          {[](auto&, auto& a) { a.hidden = 0; }, "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 0"},
+          {[](auto&, auto& a) { a.hidden = 200; }, "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 200"},
+          {[](auto&, auto& a) { a.pool_scales = nullptr; }, fp8_null},
+          {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, fp8_null},
+          {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x and pool must be 16-byte aligned"},
+      });
+
   const char* combine_null = "routed, topk_weights, y and the plan's route_to_slot must be non-null";
   expect_rejections<Combine>(
       megamoe_combine_bf16, unread_plan({4, 2, 2, 0, 2}), Combine{p, fp, p, 64},

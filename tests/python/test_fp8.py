@@ -64,6 +64,30 @@ def test_grouped_gemm_fp8_matches_the_dequantized_product():
 
 
 @requires_cuda
+@pytest.mark.parametrize("hidden", [256, 2048, 4096, 7168])  # one, several and a partial pass of 2048 columns
+def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
+    """One pass (megamoe_dispatch_fp8) gives the bytes of the row quantisation followed by the
+    dispatch of the e4m3 rows and of their scales, padding rows (zeros, scale 0) included; a NaN
+    keeps its whole 1 x 128 block non-finite, as the row kernel does."""
+    tokens, experts = 300, 8
+    ids, _ = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(3))
+    ids[5, 1] = -1  # a masked route
+    plan = build_routing(ids.cuda(), experts)
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    x[7] = 0  # an all-zero row: scale 1
+    x[9, hidden - 3] = float("nan")
+    pool, scales = dispatch_fp8(plan, x)
+    q, token_scales = fp8.quantize_rows(x, token_major=True)
+    want = dispatch(plan, q)
+    want_scales = dispatch(plan, token_scales)[:, :hidden // fp8.BLOCK].t()
+    live = int(plan.num_blocks) * 128
+    assert torch.equal(pool[:live].view(torch.uint8), want[:live].view(torch.uint8))
+    assert torch.equal(scales[:, :live].view(torch.int32), want_scales[:, :live].contiguous().view(torch.int32))
+    slot = int(plan.route_to_slot[9, 0])
+    assert scales[-1, slot].isnan() and scales[0, slot].isfinite()
+
+
+@requires_cuda
 @pytest.mark.parametrize("inter", [384, 512])  # 128- and 256-wide tiles: 2 and 4 chunks per tile
 def test_the_fp8_dh_epilogue_quantises_dz_as_the_row_kernel_does(inter):
     """The dz that the dx GEMM reads comes from the dh epilogue: byte for byte the row quantisation

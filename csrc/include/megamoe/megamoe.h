@@ -92,6 +92,19 @@ typedef struct {
 int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const megamoe_dispatch_args* args, void* stream);
 int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine_args* args, void* stream);
 
+// dispatch_fp8: the dispatch of bf16 rows quantised once per token on the way (the recipe of
+// megamoe_quantize_rows_fp8, 1 x 128 blocks): pool[slot] = x[t] in e4m3, pool_scales[b, slot] = the
+// scale of block b of x[t]; the padding rows of the live blocks get zeros and scale 0, rows past the
+// live blocks are not touched. The same bytes as quantising x, then dispatching its rows and scales.
+typedef struct {
+  const void* x;       // [T, hidden] bf16
+  void* pool;          // [max_blocks * 128, hidden] e4m3
+  float* pool_scales;  // [hidden / 128, max_blocks * 128] fp32, the layout the FP8 GEMMs read
+  int32_t hidden;      // a multiple of 128
+} megamoe_dispatch_fp8_args;
+
+int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const megamoe_dispatch_fp8_args* args, void* stream);
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch and combine over W <= MEGAMOE_MAX_PEERS ranks (expert parallelism), pull model. Routes
 // are numbered globally, rank by rank: rank r's route t * K + k is route_offsets[r] + t * K + k

@@ -5,9 +5,13 @@
 // streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
 // rows past the live blocks are not touched. With weights, each route's weight goes to its slot
 // of weights_pool the same way (0 on padding rows): the backward's per-row p.
+// The FP8 dispatch quantises each token row once on the way (kernels/fp8/e4m3.cuh, 1 x 128 blocks):
+// 32 lanes hold two blocks' 16-byte chunks, 16 lanes each, and the 16 share their amax by shuffles;
+// the slots get e4m3 rows and the scales go straight to the k-block-major layout the FP8 GEMMs read.
 #include <algorithm>
 
 #include "kernels/dispatch_combine/warp_rows.cuh"
+#include "kernels/fp8/e4m3.cuh"
 
 namespace megamoe {
 namespace {
@@ -43,10 +47,13 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
   }
 }
 
-// Padding rows, found 32 at a time: each lane looks at one row, the warp zeroes the padding ones.
-__device__ void zero_padding_rows(Bf16x8* __restrict__ pool, float* __restrict__ weights_pool,
-                                  const int32_t* __restrict__ slot_to_route, int64_t live_rows, int32_t vecs_per_row,
-                                  int64_t warp, int64_t warps) {
+// Padding rows of the live blocks, found 32 at a time: each lane looks at one row, and the warp
+// calls zero_row(row) for each padding one.
+template <class ZeroRow>
+__device__ void for_padding_rows(const int32_t* __restrict__ slot_to_route, const int32_t* __restrict__ num_blocks,
+                                 int64_t max_rows, int64_t warp, int64_t warps, const ZeroRow& zero_row) {
+  const int64_t blocks_rows = int64_t(*num_blocks) * MEGAMOE_BLOCK_M;
+  const int64_t live_rows = blocks_rows < max_rows ? blocks_rows : max_rows;
   const int lane = threadIdx.x % 32;
   for (int64_t base = warp * 32; base < live_rows; base += warps * 32) {
     const int64_t row = base + lane;
@@ -54,10 +61,13 @@ __device__ void zero_padding_rows(Bf16x8* __restrict__ pool, float* __restrict__
     while (padding) {
       const int64_t pad_row = base + __ffs(padding) - 1;
       padding &= padding - 1;
-      if (weights_pool != nullptr && lane == 0) weights_pool[pad_row] = 0.f;
-      for (int c = lane; c < vecs_per_row; c += 32) store(pool + pad_row * vecs_per_row + c, Bf16x8{});
+      zero_row(pad_row);
     }
   }
+}
+
+__device__ void zero_row(Bf16x8* __restrict__ pool, int64_t row, int32_t vecs_per_row) {
+  for (int c = threadIdx.x % 32; c < vecs_per_row; c += 32) store(pool + row * vecs_per_row + c, Bf16x8{});
 }
 
 template <int kVecsPerLane>
@@ -71,9 +81,68 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
   copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, weights, weights_pool, num_tokens, top_k, vecs_per_row, warp,
                                 warps);
-  const int64_t blocks_rows = int64_t(*num_blocks) * MEGAMOE_BLOCK_M;
-  zero_padding_rows(pool, weights_pool, slot_to_route, blocks_rows < max_rows ? blocks_rows : max_rows,
-                    vecs_per_row, warp, warps);
+  for_padding_rows(slot_to_route, num_blocks, max_rows, warp, warps, [&](int64_t row) {
+    if (weights_pool != nullptr && threadIdx.x % 32 == 0) weights_pool[row] = 0.f;
+    zero_row(pool, row, vecs_per_row);
+  });
+}
+
+// Chunks of a row quantised per pass: 8 per lane, i.e. 8 pairs of 128-column blocks (2048 columns).
+constexpr int kFp8ChunksPerLane = 8;
+
+// x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]. Lane l holds
+// chunk 32 i + l of each pass's i-th 256 columns: block 2 i + l / 16 of the pass.
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float* __restrict__ pool_scales,
+                  const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
+                  const int32_t* __restrict__ num_blocks, int64_t num_tokens, int64_t max_rows, int32_t top_k,
+                  int32_t vecs_per_row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
+  const int64_t first_warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const unsigned group = lane < 16 ? 0x0000ffffu : 0xffff0000u;  // the 16 lanes of this lane's block
+  for (int64_t t = first_warp; t < num_tokens; t += warps) {
+    for (int pass = 0; pass < vecs_per_row; pass += 32 * kFp8ChunksPerLane) {
+      uint2 q[kFp8ChunksPerLane];
+      float scale[kFp8ChunksPerLane];
+#pragma unroll
+      for (int i = 0; i < kFp8ChunksPerLane; ++i) {
+        const int c = pass + 32 * i + lane;
+        if (pass + 32 * i >= vecs_per_row) break;  // vecs_per_row is a multiple of 16: whole blocks
+        const Bf16x8 v = load_readonly(x + t * vecs_per_row + c);
+        float f[kBf16PerVec];
+        float amax = 0.f;
+        bool nan = false;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 pair = __bfloat1622float2(v.pairs[j]);
+          f[2 * j] = pair.x;
+          f[2 * j + 1] = pair.y;
+          amax = fmaxf(amax, fmaxf(fabsf(pair.x), fabsf(pair.y)));
+          nan |= pair.x != pair.x || pair.y != pair.y;
+        }
+#pragma unroll
+        for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
+        scale[i] = fp8::block_scale(amax, (__ballot_sync(~0u, nan) & group) != 0);
+        q[i] = make_uint2(uint32_t(fp8::to_e4m3x2(f[0], f[1], scale[i])) | (uint32_t(fp8::to_e4m3x2(f[2], f[3], scale[i])) << 16),
+                          uint32_t(fp8::to_e4m3x2(f[4], f[5], scale[i])) | (uint32_t(fp8::to_e4m3x2(f[6], f[7], scale[i])) << 16));
+      }
+      for (int k = 0; k < top_k; ++k) {
+        const int64_t slot = route_to_slot[t * top_k + k];
+        if (slot < 0) continue;  // masked or another rank's expert
+#pragma unroll
+        for (int i = 0; i < kFp8ChunksPerLane; ++i) {
+          if (pass + 32 * i >= vecs_per_row) break;
+          pool[slot * vecs_per_row + pass + 32 * i + lane] = q[i];
+          if (lane % 16 == 0) pool_scales[int64_t((pass + 32 * i + lane) / 16) * max_rows + slot] = scale[i];
+        }
+      }
+    }
+  }
+  for_padding_rows(slot_to_route, num_blocks, max_rows, first_warp, warps, [&](int64_t row) {
+    zero_row(reinterpret_cast<Bf16x8*>(pool), row, vecs_per_row / 2);  // e4m3: half the bf16 row's bytes
+    for (int b = lane; b < vecs_per_row / 16; b += 32) pool_scales[int64_t(b) * max_rows + row] = 0.f;
+  });
 }
 
 struct DispatchArgs {
@@ -131,6 +200,33 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   } else {
     launch<kMaxVecsPerLane>(launch_args, grid, stream);
   }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
+
+extern "C" int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const megamoe_dispatch_fp8_args* args,
+                                    void* stream_handle) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_dispatch_fp8: ";
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_dispatch_fp8_args& a = *args;
+  if (a.hidden <= 0 || a.hidden % 128) {
+    return invalid_argument(fn + "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got " +
+                            std::to_string(a.hidden));
+  }
+  if (!a.x || !a.pool || !a.pool_scales || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
+    return invalid_argument(fn + "x, pool, pool_scales and the plan's route_to_slot, slot_to_route and num_blocks "
+                            "must be non-null");
+  }
+  if (!aligned16(a.x) || !aligned16(a.pool)) return invalid_argument(fn + "x and pool must be 16-byte aligned");
+  const int64_t num_tokens = plan->shape.num_tokens;
+  const int64_t max_rows = routing::pool_rows(*plan);
+  int grid = 0;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
+  dispatch_rows_fp8<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream_handle)>>>(
+      static_cast<const Bf16x8*>(a.x), static_cast<uint2*>(a.pool), a.pool_scales, plan->route_to_slot,
+      plan->slot_to_route, plan->num_blocks, num_tokens, max_rows, plan->shape.top_k, a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
