@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from megamoe.bench import backends, main
-from megamoe.bench.timing import Budget, Device, mean_clock_and_power, measure
+from megamoe.bench.timing import SINGLE_CALLS, Budget, Device, mean_clock_and_power, measure
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb",
-               "fwd_sm_mhz", "fwdbwd_sm_mhz"}
+               "fwd_sm_mhz", "fwdbwd_sm_mhz", "fwd_single_ms", "fwdbwd_single_ms"}
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--warmup-seconds", "0",
          "--repeat", "1"]
 
@@ -38,6 +38,7 @@ def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
         assert (r["preset"], r["tokens"], r["routing"], r["precision"]) == ("tiny", 64, "balanced", "bf16")
         assert r["skipped"] is None, r["skipped"]
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+        assert r["fwd_single_ms"] > 0 and r["fwdbwd_single_ms"] > 0
         assert r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0
         assert r["routes"] == 64 * 2  # tiny: K = 2, nothing masked
         assert r["peak_mem_gb"] is None  # only measured on a GPU
@@ -63,7 +64,7 @@ def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock(
     result = measure(run, lambda: None, Device(torch.device("cpu")),
                      Budget(warmup=2, repeat=4, seconds=1.0, warmup_seconds=0.2))
     assert result.repeats == 4
-    warm_ups = len(calls) - 4
+    warm_ups = len(calls) - 2 * 4  # the timed calls, then as many timed one at a time
     assert 0.2 / 0.005 * 0.5 <= warm_ups <= 0.2 / 0.005 + 2  # by time, not by --warmup's 2
 
 
@@ -75,9 +76,17 @@ def test_a_devices_first_sustained_warm_up_lasts_until_the_power_settles():
     for _ in range(2):
         calls, run = _count_calls(0.005)
         measure(run, lambda: None, device, budget)
-        warm_ups.append(len(calls) - 1)
+        warm_ups.append(len(calls) - 2)
     assert warm_ups[0] >= 0.3 / 0.005 * 0.5 and warm_ups[1] <= 0.1 / 0.005 + 2
     assert warm_ups[0] > 2 * warm_ups[1]
+
+
+def test_calls_are_also_timed_one_at_a_time_after_the_timed_run():
+    calls, run = _count_calls(0.005)
+    result = measure(run, lambda: None, Device(torch.device("cpu")),
+                     Budget(warmup=1, repeat=50, seconds=0.5, warmup_seconds=0.0))
+    assert len(calls) == 1 + result.repeats + SINGLE_CALLS
+    assert 5.0 <= result.single_call_ms < 50.0
 
 
 def test_clock_samples_are_averaged_and_what_is_not_a_number_is_left_out():
@@ -93,14 +102,14 @@ def test_the_first_warm_up_which_may_compile_does_not_count_as_warming_the_gpu()
         time.sleep(0.3 if i == 0 else 0.005)  # a first call that compiles, with the GPU idle
     measure(run, lambda: None, Device(torch.device("cpu")), Budget(warmup=2, repeat=1, seconds=1.0,
                                                                    warmup_seconds=0.1))
-    assert len(calls) - 1 >= 1 + 0.1 / 0.005 * 0.5
+    assert len(calls) - 2 >= 1 + 0.1 / 0.005 * 0.5
 
 
 def test_a_slow_backend_stops_warming_up_after_two_runs():
     calls, run = _count_calls(0.15)
     result = measure(run, lambda: None, Device(torch.device("cpu")),
                      Budget(warmup=5, repeat=100, seconds=0.1, warmup_seconds=0.2))
-    assert len(calls) - result.repeats == 2 and result.repeats == 3  # MIN_REPEATS
+    assert len(calls) - 2 * result.repeats == 2 and result.repeats == 3  # MIN_REPEATS, each also alone
 
 
 def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):

@@ -38,6 +38,10 @@ class Record:
     fwdbwd_sm_mhz: float | None = None
     fwd_power_w: float | None = None
     fwdbwd_power_w: float | None = None
+    # One call on its own (timing.SINGLE_CALLS): host, launches and GPU from the call to the finished
+    # work, the GPU warm; what a call costs when nothing is queued ahead of it to hide its start.
+    fwd_single_ms: float | None = None
+    fwdbwd_single_ms: float | None = None
     skipped: str | None = None  # why a requested mode has no time ("fwdbwd: ..." when only one failed)
     # Derived (fill_derived).
     fwd_tflops: float | None = None

@@ -83,8 +83,8 @@ def write_json(result: dict, out_dir: Path) -> list[Path]:
 
 
 COLUMNS = ("preset", "tokens", "routing", "backend", "prec",
-           "fwd ms", "TFLOPS", "% peak", "× grouped", "MHz",
-           "fwd+bwd ms", "TFLOPS", "% peak", "× grouped", "MHz",
+           "fwd ms", "1 call", "TFLOPS", "% peak", "× grouped", "MHz",
+           "fwd+bwd ms", "1 call", "TFLOPS", "% peak", "× grouped", "MHz",
            "mem GB", "saved GB", "skipped")
 TEXT_COLUMNS = {0, 2, 3, 4, len(COLUMNS) - 1}  # left-aligned; the numbers are right-aligned
 
@@ -94,7 +94,7 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
     for r in result["records"]:
         row = [r["preset"], str(r["tokens"]), r["routing"], r["backend"], r["precision"]]
         for mode in ("fwd", "fwdbwd"):
-            row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt_tflops(r[f"{mode}_tflops"]),
+            row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt(r.get(f"{mode}_single_ms"), ".2f"), _fmt_tflops(r[f"{mode}_tflops"]),
                     _fmt(r[f"{mode}_pct_bf16_peak"], ".0f"), _fmt(r[f"{mode}_vs_grouped"], ".2f"),
                     _fmt(r.get(f"{mode}_sm_mhz"), ".0f")]
         row += [_fmt(r["peak_mem_gb"], ".1f"), _fmt(r["saved_gb"], ".2f"), _shorten(r["skipped"] or "", 60)]

@@ -146,6 +146,7 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
         setattr(record, f"{mode}_repeats", result.repeats)
         setattr(record, f"{mode}_sm_mhz", result.sm_clock_mhz)
         setattr(record, f"{mode}_power_w", result.power_w)
+        setattr(record, f"{mode}_single_ms", result.single_call_ms)
         if result.peak_extra_bytes is not None:
             operand_bytes = sets[0].nbytes() + (dy.numel() * dy.element_size() if mode == "fwdbwd" else 0)
             # The last mode wins, so fwdbwd's figure is kept when both ran.

@@ -22,6 +22,10 @@ MIN_REPEATS = 3
 SUSTAINED_WARMUP_S = 1.0
 SUSTAINED_BUDGET_S = 2.0
 REPEAT_CAP = 10000
+# After the timed iterations, up to this many calls are timed one at a time (single_call_ms): the
+# device synchronised before and after each, the wall clock from the call to the finished work, host
+# and launches included, the GPU still warm from the sustained run.
+SINGLE_CALLS = 10
 # A GPU that was idle before (a process's first measurement) stays below its power limit for the
 # first seconds of load: on the H200 the first figure of a process ran at ~510 W and 2.45 ms where the
 # same call right after ran at 692 W and 2.52 ms (docs/PERFORMANCE.md, sustained timing).
@@ -62,6 +66,7 @@ class Measurement:
     peak_extra_bytes: int | None  # device memory allocated on top of what was live before; None on CPU
     sm_clock_mhz: float | None = None  # mean over the timed iterations (ClockSampler)
     power_w: float | None = None
+    single_call_ms: float | None = None  # median of the calls timed one at a time (SINGLE_CALLS)
 
 
 class Device:
@@ -216,6 +221,15 @@ def measure(run: Callable[[int], None], reset: Callable[[], None], device: Devic
             marks.append((start, device.mark()))
         device.synchronize()
     peak_extra = device.peak_bytes_since(baseline)
-    reset()
     median_ms = statistics.median(device.elapsed_ms(start, end) for start, end in marks)
-    return Measurement(median_ms, repeats, peak_extra, clocks.sm_clock_mhz, clocks.power_w)
+    single = []
+    for i in range(min(SINGLE_CALLS, repeats)):  # a slow backend: as many as its timed iterations
+        reset()
+        device.synchronize()
+        start = time.perf_counter()
+        run(i)
+        device.synchronize()
+        single.append((time.perf_counter() - start) * 1e3)
+    reset()
+    return Measurement(median_ms, repeats, peak_extra, clocks.sm_clock_mhz, clocks.power_w,
+                       statistics.median(single) if single else None)
