@@ -64,7 +64,8 @@ def test_grouped_gemm_fp8_matches_the_dequantized_product():
 
 
 @requires_cuda
-@pytest.mark.parametrize("hidden", [256, 2048, 4096, 7168])  # one, several and a partial pass of 2048 columns
+# An odd number of 128-column blocks (128, 384: a half lane group), one, several and a partial pass of 2048 columns.
+@pytest.mark.parametrize("hidden", [128, 384, 256, 2048, 4096, 7168])
 def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     """One pass (megamoe_dispatch_fp8) gives the bytes of the row quantisation followed by the
     dispatch of the e4m3 rows and of their scales, padding rows (zeros, scale 0) included; a NaN

@@ -91,7 +91,9 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
 constexpr int kFp8ChunksPerLane = 8;
 
 // x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]. Lane l holds
-// chunk 32 i + l of each pass's i-th 256 columns: block 2 i + l / 16 of the pass.
+// chunk 32 i + l of each pass's i-th 256 columns: block 2 i + l / 16 of the pass. A row of an odd
+// number of blocks ends with a half group: its lanes 16-31 hold no block and take part only in the
+// shuffles.
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float* __restrict__ pool_scales,
                   const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
@@ -109,7 +111,7 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
       for (int i = 0; i < kFp8ChunksPerLane; ++i) {
         const int c = pass + 32 * i + lane;
         if (pass + 32 * i >= vecs_per_row) break;  // vecs_per_row is a multiple of 16: whole blocks
-        const Bf16x8 v = load_readonly(x + t * vecs_per_row + c);
+        const Bf16x8 v = c < vecs_per_row ? load_readonly(x + t * vecs_per_row + c) : Bf16x8{};
         float f[kBf16PerVec];
         float amax = 0.f;
         bool nan = false;
@@ -132,9 +134,10 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
         if (slot < 0) continue;  // masked or another rank's expert
 #pragma unroll
         for (int i = 0; i < kFp8ChunksPerLane; ++i) {
-          if (pass + 32 * i >= vecs_per_row) break;
-          pool[slot * vecs_per_row + pass + 32 * i + lane] = q[i];
-          if (lane % 16 == 0) pool_scales[int64_t((pass + 32 * i + lane) / 16) * max_rows + slot] = scale[i];
+          const int c = pass + 32 * i + lane;
+          if (c >= vecs_per_row) break;
+          pool[slot * vecs_per_row + c] = q[i];
+          if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = scale[i];
         }
       }
     }
