@@ -3,8 +3,8 @@
 # facts (env.txt), the test command's log (GPU tests included), compute-sanitizer on the small
 # GoogleTests, and the benchmarks' logs and JSON (bench/ inside the folder).
 #   bash scripts/gpu_session.sh [stage ...]
-# Stages: env tests sanitize gemm profile bench train parity torchtitan (default: all but profile, parity
-# and torchtitan);
+# Stages: env tests sanitize gemm profile bench classes train parity torchtitan (default: all but
+# profile, classes, parity and torchtitan);
 # after a failed `tests` stage the later stages are skipped.
 # Settings (environment variables):
 #   MEGAMOE_OUT        the results folder (default: runs/gpu-<date>-<time> in this tree; runs/ is ignored by git)
@@ -61,6 +61,15 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
     bench)
       run_python -m megamoe.bench --out "$out/bench" --plot ${MEGAMOE_BENCH_ARGS:-} 2>&1 \
         | grep -v "megamoe.bench: " | tee "$out/bench.log" || status=1 ;;
+    classes)
+      # The model classes beyond Qwen3 at 16384 tokens, then Qwen3-30B-A3B at a small batch.
+      for run in "classes --preset kimi-k2-ep8 mixtral-8x22b gpt-oss-20b qwen3-next-80b-a3b --tokens 16384" \
+                 "small_batch --preset qwen3-30b-a3b --tokens 1024"; do
+        set -- $run
+        name=$1; shift
+        run_python -m megamoe.bench --out "$out/bench/$name" "$@" --skewed-tokens --backends fused grouped \
+          --modes fwd fwdbwd 2>&1 | grep -v "megamoe.bench: " | tee -a "$out/classes.log" || status=1
+      done ;;
     train)
       run_python -m megamoe.train.bench --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/train.log" || status=1 ;;
     parity)
@@ -73,7 +82,8 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
           | tee -a "$out/torchtitan.log" || status=1
       done ;;
     *)
-      echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, train, parity, torchtitan)"; status=2 ;;
+      echo "unknown stage $stage (env, tests, sanitize, gemm, profile, bench, classes, train, parity, torchtitan)"
+      status=2 ;;
   esac
 done
 exit $status
