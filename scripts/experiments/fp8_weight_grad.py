@@ -2,7 +2,12 @@
 1 x 128 blocks along the tokens (the contraction; megamoe.fp8's row recipe applied to Aᵀ and Bᵀ).
 
 Error (CPU, fp64 math, random Gaussian operands, one expert's tokens): against the exact product of
-the bf16 operands, next to the error of the bf16 GEMM's one output rounding.
+the bf16 operands, next to the error of the bf16 GEMM's one output rounding. Two recipes: both
+operands in 1 x 128 blocks along the tokens (a scale per column and 128 tokens on each side: the
+GEMM's promotion scales every fragment column by its own scale), and the second operand in 128 x 128
+blocks of 128 tokens and 128 columns instead (the promotion of the forward's FP8 GEMMs: one scale per
+fragment row and 128-column block). Each on Gaussian data, and with 1% of the second operand's
+columns 50x larger (outlier channels, which a 128 x 128 block shares with 127 others).
 Speed (--speed, a GPU): a bound, not the kernel. All experts' weight gradients together have the
 FLOPs of one dense [m, R] x [R, n] product over the R = T·K routes; it is timed sustained as a bf16
 torch.matmul and as an e4m3 torch._scaled_mm with row-wise scales (fewer scale multiplies than 1 x 128
@@ -29,6 +34,11 @@ def along_tokens(a: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize_rows(*fp8.quantize_rows(a.T.contiguous())).double().T
 
 
+def in_blocks(a: torch.Tensor) -> torch.Tensor:
+    """a [T, C] through e4m3 with one scale per 128 tokens x 128 columns, back in fp64."""
+    return fp8.dequantize_blocks(*fp8.quantize_blocks(a.unsqueeze(0))).double()[0]
+
+
 def gradients(preset: str):
     """(name, m, n) of the two weight gradients: dW2 [H, I] = dyᵀ·(p·h), dW13 [2I, H] = dzᵀ·x."""
     h, i = PRESETS[preset].hidden_size, PRESETS[preset].intermediate_size
@@ -38,13 +48,19 @@ def gradients(preset: str):
 def error(tokens: int) -> None:
     for preset in PRESETS_SHOWN:
         for name, m, n in gradients(preset):
-            a = torch.randn(tokens, m).bfloat16()
-            b = torch.randn(tokens, n).bfloat16()
-            exact = a.double().T @ b.double()
-            fp8_error = relative_error(along_tokens(a).T @ along_tokens(b), exact)
-            bf16_error = relative_error(exact.float().bfloat16(), exact)
-            print(f"{preset} {name} [{m} x {n}], {tokens} tokens: FP8 1x128 along tokens {fp8_error:.4f}, "
-                  f"bf16 output rounding {bf16_error:.4f}")
+            for outliers in (False, True):
+                a = torch.randn(tokens, m).bfloat16()
+                b = torch.randn(tokens, n)
+                if outliers:
+                    b[:, torch.randperm(n)[:max(1, n // 100)]] *= 50
+                b = b.bfloat16()
+                exact = a.double().T @ b.double()
+                both = relative_error(along_tokens(a).T @ along_tokens(b), exact)
+                blocks = relative_error(along_tokens(a).T @ in_blocks(b), exact)
+                bf16_error = relative_error(exact.float().bfloat16(), exact)
+                print(f"{preset} {name} [{m} x {n}], {tokens} tokens{', outlier columns' if outliers else ''}: "
+                      f"FP8 1x128 along tokens {both:.4f}, second operand in 128x128 blocks {blocks:.4f}, "
+                      f"bf16 output rounding {bf16_error:.4f}")
 
 
 def speed(routes: int) -> None:
