@@ -35,8 +35,9 @@ own timeout, `init_process_group(timeout=...)`.)
 Block FP8 (precision "fp8" / "fp8_bwd", the single-rank op's recipe, megamoe/fused.py): each rank
 quantises its own rows once per token (1 x 128 scales), and the e4m3 rows and their scales travel
 instead of bf16 x in the forward ("fp8") and beside bf16 dy (the weight gradients read bf16 dy):
-half the bytes for x. In "fp8" the backward pulls x's bf16 rows too, for dW13. The owners run the single-rank FP8 kernels on the pulled pools, so every rank's output and
-gradients are bit for bit those of one rank holding every expert.
+half the bytes for x. In "fp8" the backward pulls x's bf16 rows too, for dW13. The owners run the
+single-rank FP8 kernels on the pulled pools, so every rank's output and gradients are bit for bit
+those of one rank holding every expert.
 
 Under torch.compile the layer is one custom op forward (megamoe::group_moe_forward) and one backward:
 the forward returns what its backward needs (the plan's buffer, every rank's token count, the pool of
@@ -356,10 +357,10 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
     z recomputed, dh through the activation's backward, dx per route in pool order into dx_pool, its
     experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
-    plan's routes (every rank's) in fp32, 0 for the routes it does not own. (The tests' virtual ranks run it too.)
-    In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with its scales,
-    makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in FP8, dW13 on
-    x_bf16, the pool of x's bf16 rows), without it bf16 ("fp8_bwd", and x_bf16 is x_pool)."""
+    plan's routes (every rank's) in fp32, 0 for the routes it does not own (the tests' virtual ranks run
+    it too). In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with
+    its scales, makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in
+    FP8, dW13 on x_bf16, the pool of x's bf16 rows), without it bf16 ("fp8_bwd", and x_bf16 is x_pool)."""
     if x_scales is None:
         z, x_bf16 = grouped_gemm(x_pool, w13, plan), x_pool
     else:

@@ -125,7 +125,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
                        precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
                        need_dweights: bool, need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None,
-                       main_grad2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       main_grad2: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     activation, precision: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to
