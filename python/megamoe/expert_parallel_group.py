@@ -510,8 +510,8 @@ def group_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Te
                        tokens: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
                        main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d topk_weights, dw13, dw2) from what group_moe_forward kept (x: the input with recompute,
-    else empty). Every rank computes all four (the owners' kernels serve every rank); a weight
+    """(dx, d topk_weights, dw13, dw2) from what group_moe_forward kept (x: the input with recompute or
+    in "fp8", else empty). Every rank computes all four (the owners' kernels serve every rank); a weight
     gradient added into its main_grad comes back empty."""
     ws = _workspace(_group(group_name), dy.device)
     meta = _Meta.kept(ws, tokens, plan, topk_weights.shape[1], w13.shape[0])
@@ -535,7 +535,8 @@ def _setup_context(ctx, inputs, output):
     ctx.group_name, ctx.activation, ctx.precision, ctx.recompute = group_name, activation, precision, recompute
     ctx.mark_non_differentiable(x_pool, x_scales, plan, tokens)
     ctx.set_materialize_grads(False)
-    kept_x = x if recompute else x.new_empty(0, x.shape[1])  # recompute keeps the input, not the pool
+    # recompute keeps the input, not the pool; "fp8" keeps it beside the e4m3 pool, for dW13's bf16 rows.
+    kept_x = x if recompute or precision == "fp8" else x.new_empty(0, x.shape[1])
     ctx.save_for_backward(kept_x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens)
 
 

@@ -85,7 +85,9 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     assert torch.equal(pool[:live].view(torch.uint8), want[:live].view(torch.uint8))
     assert torch.equal(scales[:, :live].view(torch.int32), want_scales[:, :live].contiguous().view(torch.int32))
     slot = int(plan.route_to_slot[9, 0])
-    assert scales[-1, slot].isnan() and scales[0, slot].isfinite()
+    assert scales[-1, slot].isnan()
+    if hidden > fp8.BLOCK:  # the NaN's block only: the row's first block is another one
+        assert scales[0, slot].isfinite()
 
 
 @requires_cuda
