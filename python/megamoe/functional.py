@@ -5,7 +5,6 @@ from __future__ import annotations
 from .backends import grouped_moe, naive_moe
 from .expert_parallel_group import group_moe
 from .fused import fused_moe_autograd
-from .tile_padding import needs_padding, pad_to_tiles
 from .validation import check_fused_support, check_moe_inputs, check_options
 
 _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
@@ -30,15 +29,10 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
                                check_id_range=not (backend == "fused" and getattr(topk_ids, "is_cuda", False)))
     if backend == "fused":
-        hidden = problem.hidden_size
-        check_fused_support(x, hidden, problem.intermediate_size)
-        if needs_padding(hidden, problem.intermediate_size):
-            x, w13, w2 = pad_to_tiles(x, w13, w2)
+        check_fused_support(x, problem.hidden_size, problem.intermediate_size, precision)
         if group is not None:
-            y = group_moe(x, topk_ids, topk_weights, w13, w2, group, activation, precision, recompute)
-        else:
-            y = fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation, precision)
-        return y if y.shape[1] == hidden else y[:, :hidden].contiguous()
+            return group_moe(x, topk_ids, topk_weights, w13, w2, group, activation, precision, recompute)
+        return fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute, activation, precision)
     return _BASELINES[backend](x, topk_ids, topk_weights, w13, w2, activation=activation)
 
 

@@ -116,10 +116,11 @@ def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, ro
 
 
 def _backward_outputs(z: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dh epilogue's outputs for z [rows, 2I]: dz like z, hp [rows, I] bf16, dp partials [rows, I / 128] fp32."""
+    """The dh epilogue's outputs for z [rows, 2I]: dz like z, hp [rows, I] bf16, dp partials
+    [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
     rows = z.shape[0]
     return (z.new_empty(rows, 2 * inter), z.new_empty(rows, inter),
-            torch.empty(rows, inter // 128, dtype=torch.float32, device=z.device))
+            torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device))
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,

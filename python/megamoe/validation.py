@@ -125,13 +125,15 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id
                       num_experts=num_experts, expert_begin=rank * num_local)
 
 
-# Sizes the fused layer takes: H and I multiples of 8 (16-byte bf16 rows; sizes that are not tile
-# multiples are zero-padded to them, megamoe/tile_padding.py); H up to the largest size the tests cover.
+# Sizes the fused layer takes: H and I multiples of 8 (16-byte bf16 rows; the kernels' last tiles stop
+# at H and I), in block FP8 multiples of 128 (whole 1 x 128 and 128 x 128 scale blocks); H up to the
+# largest size the tests cover.
 SIZE_MULTIPLE = 8
+FP8_SIZE_MULTIPLE = 128
 MAX_HIDDEN = 8192
 
 
-def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None:
+def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int, precision: str = "bf16") -> None:
     """Raises before any launch when the kernels cannot run this problem."""
     if x.device.type != "cuda":
         raise ValueError(f"backend='fused' runs on CUDA tensors, got {x.device}; use backend='grouped' on the CPU")
@@ -146,6 +148,10 @@ def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int) -> None
         raise ValueError(
             f"backend='fused' needs H and I to be multiples of {SIZE_MULTIPLE} (16-byte bf16 rows) and "
             f"H <= {MAX_HIDDEN}; got H = {hidden}, I = {intermediate}. Use backend='grouped' for this shape")
+    if precision != "bf16" and (hidden % FP8_SIZE_MULTIPLE or intermediate % FP8_SIZE_MULTIPLE):
+        raise ValueError(
+            f"precision={precision!r} needs H and I to be multiples of {FP8_SIZE_MULTIPLE} (whole 1 x 128 and "
+            f"128 x 128 scale blocks); got H = {hidden}, I = {intermediate}. Use precision='bf16' for this shape")
 
 
 class IdRangeCheck:

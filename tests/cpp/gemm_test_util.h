@@ -401,8 +401,8 @@ inline void expect_scatter_rejections(int32_t b_layout, int32_t overflow_n, int3
           {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, "row_of_slot must be non-null"},  // and none given
           {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
           {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, plan_arrays},
-          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 128, got 100"},
-          {[](auto&, auto& a) { a.k = 64; }, "k must be a positive multiple of 128, got 64"},
+          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 100"},
+          {[](auto&, auto& a) { a.k = 60; }, "k must be a positive multiple of 8 (16-byte bf16 rows), got 60"},
           {[](auto&, auto& a) { a.num_out_rows = -1; }, "num_out_rows must be >= 0, got -1"},
           {[](auto&, auto& a) { a.b = check_buf + 8; }, "b must be 16-byte aligned"},
           {[](auto&, auto& a) { a.out_rows = check_buf + 8; }, "out_rows must be 16-byte aligned"},

@@ -32,6 +32,7 @@ std::vector<FusedCase> scatter_mn_cases() {
       {"n384_k640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 32},  // N % 256 != 0: 128-wide tile
       {"many_tiles", 10000, 4, 8, 0, 8, 256, 128, 33},
       {"qwen3_30b_dx", 500, 8, 16, 4, 8, 2048, 1536, 34},  // n = H = 2048, k = 2I = 1536
+      {"partial_n200_k400", 300, 2, 4, 0, 4, 200, 400, 35},    // n = H, k = 2I not multiples of the tile
   };
 }
 
@@ -79,6 +80,9 @@ std::vector<FusedCase> swiglu_backward_cases() {  // n = intermediate, k = hidde
       {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 42},  // 10 k-blocks, odd tile count
       {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 43},
       {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 44},  // I = 768, H = 2048, ~2700 rows
+      // I and H not multiples of the tile: z's halves and dz stop at I, dp's last partial is short.
+      {"partial_i200_h136", 300, 2, 4, 0, 4, 200, 136, 45},
+      {"partial_i328_h392", 300, 3, 8, 2, 4, 328, 392, 46},
   };
 }
 
@@ -231,8 +235,10 @@ TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.dp_partial = nullptr; }, "dp_partial must be non-null"},
           {[](auto& pl, auto&) { pl.block_expert = nullptr; },
            "the plan's block_expert and num_blocks must be non-null"},
-          {[](auto&, auto& a) { a.intermediate = 200; }, "intermediate must be a positive multiple of 128, got 200"},
-          {[](auto&, auto& a) { a.hidden = 96; }, "hidden must be a positive multiple of 128, got 96"},
+          {[](auto&, auto& a) { a.intermediate = 204; },
+           "intermediate must be a positive multiple of 8 (16-byte bf16 rows), got 204"},
+          {[](auto&, auto& a) { a.hidden = 100; },
+           "hidden must be a positive multiple of 8 (16-byte bf16 rows), got 100"},
           {[](auto&, auto& a) { a.z_pool = check_buf + 4; }, "z_pool must be 16-byte aligned"},
           {[](auto&, auto& a) { a.dp_partial = reinterpret_cast<float*>(check_buf) + 1; },
            "dp_partial must be 16-byte aligned"},
@@ -261,7 +267,8 @@ TEST(GroupedGemmSwigluBackwardValidation, Fp8RejectsBadArguments) {
           {[](auto&, auto& a) { a.dz_fp8 = nullptr; }, "dz_fp8 must be non-null"},
           {[](auto&, auto& a) { a.dz_scales = nullptr; }, "dz_scales must be non-null"},
           {[](auto&, auto& a) { a.dz_fp8 = check_buf + 8; }, "dz_fp8 must be 16-byte aligned"},
-          {[](auto&, auto& a) { a.intermediate = 200; }, "intermediate must be a positive multiple of 128, got 200"},
+          {[](auto&, auto& a) { a.intermediate = 200; },
+           "intermediate must be a positive multiple of 128 (block-FP8 scale blocks), got 200"},
           {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
       });
 }
@@ -273,8 +280,8 @@ TEST(DpReduceValidation, RejectsBadArguments) {
   expect_rejections<Args>(megamoe_dp_reduce, unread_plan(), Args{fp, fp, 256},
                           {
                               {[](auto& pl, auto&) { pl.shape.num_tokens = -1; }, "num_tokens must be >= 0"},
-                              {[](auto&, auto& a) { a.intermediate = 200; },
-                               "intermediate must be a positive multiple of 128, got 200"},
+                              {[](auto&, auto& a) { a.intermediate = 204; },
+                               "intermediate must be a positive multiple of 8, got 204"},
                               {[](auto&, auto& a) { a.dp_partial = nullptr; }, null_message},
                               {[](auto&, auto& a) { a.dp = nullptr; }, null_message},
                               {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, null_message},
@@ -298,6 +305,8 @@ std::vector<FusedCase> weight_grad_cases() {
       {"long_k", 10000, 4, 8, 0, 8, 128, 256, 53},                // ~16000 rows on the hot expert
       {"qwen3_30b_dw13", 500, 8, 16, 4, 8, 1536, 2048, 54},       // m = 2I, n = H
       {"qwen3_30b_dw2", 500, 8, 16, 4, 8, 2048, 768, 55},         // m = H, n = I
+      {"partial_m400_n136", 300, 2, 4, 0, 4, 400, 136, 56},       // m = 2I, n = H not multiples of the tile
+      {"partial_m136_n200", 300, 3, 8, 2, 4, 136, 200, 57},       // m = H, n = I
   };
 }
 
@@ -456,8 +465,8 @@ TEST(WeightGradValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.out = nullptr; }, "out must be non-null"},
           {[](auto& pl, auto&) { pl.expert_offsets = nullptr; }, plan_arrays},
           {[](auto& pl, auto&) { pl.expert_counts = nullptr; }, plan_arrays},
-          {[](auto&, auto& a) { a.m = 0; }, "m must be a positive multiple of 128, got 0"},
-          {[](auto&, auto& a) { a.n = 192; }, "n must be a positive multiple of 128, got 192"},
+          {[](auto&, auto& a) { a.m = 0; }, "m must be a positive multiple of 8 (16-byte bf16 rows), got 0"},
+          {[](auto&, auto& a) { a.n = 196; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 196"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
           {[](auto& pl, auto& a) {
              pl.shape.num_experts = pl.shape.num_local_experts = 4096;

@@ -171,8 +171,10 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
   expect_rejections<DispatchFp8>(
       megamoe_dispatch_fp8, unread_plan({1, 1, 1, 0, 1}), DispatchFp8{p, p, scales, 256},
       {
-          {[](auto&, auto& a) { a.hidden = 0; }, "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 0"},
-          {[](auto&, auto& a) { a.hidden = 200; }, "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 200"},
+          {[](auto&, auto& a) { a.hidden = 0; },
+           "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 0"},
+          {[](auto&, auto& a) { a.hidden = 200; },
+           "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 200"},
           {[](auto&, auto& a) { a.pool_scales = nullptr; }, fp8_null},
           {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, fp8_null},
           {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x and pool must be 16-byte aligned"},

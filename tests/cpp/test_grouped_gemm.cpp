@@ -62,6 +62,8 @@ std::vector<GemmCase> cases() {
       {"many_tiles", 10000, 4, 8, 256, 128, 5},
       {"many_tiles_n384", 10000, 4, 8, 384, 128, 6},
       {"qwen3_30b_gemm1", 1000, 3, 8, 1536, 2048, 7},  // target-like: N=1536, K=2048
+      // N and K not multiples of the tile: the last n-tile and k-block reach past them.
+      {"partial_n200_k136", 300, 2, 4, 200, 136, 8},
   };
 }
 
@@ -263,11 +265,11 @@ TEST(GroupedGemmValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.c = nullptr; }, "c must be non-null"},
           {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
           {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, plan_arrays},
-          {[](auto&, auto& a) { a.n = 0; }, "n must be a positive multiple of 128, got 0"},
-          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 128, got 100"},
-          {[](auto&, auto& a) { a.n = -128; }, "n must be a positive multiple of 128, got -128"},
-          {[](auto&, auto& a) { a.k = 0; }, "k must be a positive multiple of 128, got 0"},
-          {[](auto&, auto& a) { a.k = 96; }, "k must be a positive multiple of 128, got 96"},
+          {[](auto&, auto& a) { a.n = 0; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 0"},
+          {[](auto&, auto& a) { a.n = 100; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 100"},
+          {[](auto&, auto& a) { a.n = -128; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got -128"},
+          {[](auto&, auto& a) { a.k = 0; }, "k must be a positive multiple of 8 (16-byte bf16 rows), got 0"},
+          {[](auto&, auto& a) { a.k = 92; }, "k must be a positive multiple of 8 (16-byte bf16 rows), got 92"},
           {[](auto&, auto& a) { a.a = check_buf + 2; }, "a must be 16-byte aligned"},
           {[](auto&, auto& a) { a.c = check_buf + 8; }, "c must be 16-byte aligned"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
@@ -297,7 +299,7 @@ TEST(GroupedGemmValidation, Fp8RejectsBadArguments) {
           {[](auto&, auto& a) { a.b_scales = nullptr; }, "b_scales must be non-null"},
           {[](auto&, auto& a) { a.a = nullptr; }, "a must be non-null"},
           {[](auto&, auto& a) { a.c = nullptr; }, "c must be non-null"},
-          {[](auto&, auto& a) { a.k = 192; }, "k must be a positive multiple of 128, got 192"},
+          {[](auto&, auto& a) { a.k = 192; }, "k must be a positive multiple of 128 (block-FP8 scale blocks), got 192"},
           {[](auto&, auto& a) { a.a_scales = reinterpret_cast<const float*>(check_buf + 4); },
            "a_scales must be 16-byte aligned"},
       });
@@ -356,6 +358,9 @@ std::vector<FusedCase> swiglu_cases() {
       {"i384_h640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 12},  // odd tile count, 10 k-blocks
       {"many_tiles", 10000, 4, 8, 0, 8, 128, 128, 13},
       {"qwen3_30b", 500, 8, 16, 4, 8, 768, 2048, 14},  // I = 768, H = 2048, ~2700 rows
+      // I and H not multiples of the tile: the last tile's gate box reaches into the up rows.
+      {"partial_i200_h136", 300, 2, 4, 0, 4, 200, 136, 15},
+      {"partial_i328_h392", 300, 3, 8, 2, 4, 328, 392, 16},
   };
 }
 
@@ -365,6 +370,7 @@ std::vector<FusedCase> scatter_cases() {
       {"n384_k640_partial_rank", 200, 3, 8, 2, 4, 384, 640, 22},  // N % 256 != 0: 128-wide tile
       {"many_tiles", 10000, 4, 8, 0, 8, 256, 128, 23},
       {"qwen3_30b", 500, 8, 16, 4, 8, 2048, 768, 24},  // H = 2048, I = 768
+      {"partial_n200_k136", 300, 2, 4, 0, 4, 200, 136, 25},  // N and K not multiples of the tile
   };
 }
 
@@ -451,10 +457,14 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.w13 = nullptr; }, "w13 must be non-null"},
           {[](auto&, auto& a) { a.h = nullptr; }, "h must be non-null"},
           {[](auto& pl, auto&) { pl.block_expert = nullptr; }, plan_arrays},
-          {[](auto&, auto& a) { a.intermediate = 0; }, "intermediate must be a positive multiple of 128, got 0"},
-          {[](auto&, auto& a) { a.intermediate = 200; }, "intermediate must be a positive multiple of 128, got 200"},
-          {[](auto&, auto& a) { a.hidden = 96; }, "hidden must be a positive multiple of 128, got 96"},
-          {[](auto&, auto& a) { a.hidden = -128; }, "hidden must be a positive multiple of 128, got -128"},
+          {[](auto&, auto& a) { a.intermediate = 0; },
+           "intermediate must be a positive multiple of 8 (16-byte bf16 rows), got 0"},
+          {[](auto&, auto& a) { a.intermediate = 204; },
+           "intermediate must be a positive multiple of 8 (16-byte bf16 rows), got 204"},
+          {[](auto&, auto& a) { a.hidden = 100; },
+           "hidden must be a positive multiple of 8 (16-byte bf16 rows), got 100"},
+          {[](auto&, auto& a) { a.hidden = -128; },
+           "hidden must be a positive multiple of 8 (16-byte bf16 rows), got -128"},
           {[](auto&, auto& a) { a.w13 = check_buf + 4; }, "w13 must be 16-byte aligned"},
           {[](auto&, auto& a) { a.z = check_buf + 4; }, "z must be 16-byte aligned"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},

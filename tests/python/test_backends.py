@@ -13,7 +13,7 @@ from conftest import requires_cuda
 BASELINES = ["naive", "grouped"]
 TOLERANCE = 1e-2  # bf16 operands, fp32 accumulation
 
-# H and I are multiples of 128, so the fused kernels take this shape too.
+# Whole 128-wide tiles in H and I (the FP8 tests reuse it; bf16 takes any multiple of 8).
 SMALL = MoEShape(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2)
 
 # (backend, device) pairs: the baselines everywhere, the fused kernels on a GPU.
@@ -302,9 +302,11 @@ def test_fused_keeps_no_more_for_the_backward_than_grouped():
 
 
 @requires_cuda
-def test_fused_accumulates_weight_gradients_into_fp32_main_grad():
+@pytest.mark.parametrize("hidden, inter", [(256, 128), (200, 72)])  # whole tiles; tiles cut at H and I
+def test_fused_accumulates_weight_gradients_into_fp32_main_grad(hidden, inter):
     """Megatron-style main_grad: two micro-batches add their fp32 weight gradients, .grad stays None."""
-    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
+    shape = MoEShape(hidden_size=hidden, intermediate_size=inter, num_experts=SMALL.num_experts, top_k=SMALL.top_k)
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", shape, "cuda")
     w13g, w2g = leaf(w13), leaf(w2)
     w13g.main_grad = torch.zeros_like(w13, dtype=torch.float32)
     w2g.main_grad = torch.zeros_like(w2, dtype=torch.float32)
@@ -351,7 +353,7 @@ def test_fused_at_the_largest_sizes(hidden, experts, top_k, tokens, routing, rec
 @pytest.mark.parametrize("hidden, inter, experts, top_k", [
     (7168, 2048, 48, 8),  # DeepSeek-V3 class, one rank of 8
     (6144, 16384, 8, 2),  # few large experts
-    (2880, 2880, 32, 4),  # sizes that are not multiples of 128 (gpt-oss): zero-padded to them
+    (2880, 2880, 32, 4),  # sizes that are not multiples of 128 (gpt-oss): the last tiles stop at them
     (2048, 512, 512, 10),  # many small experts
 ])
 def test_fused_at_each_model_class(hidden, inter, experts, top_k, tokens):
@@ -372,6 +374,33 @@ def check_fused_against_fp64(shape: MoEShape, tokens: int, routing: str, **optio
     ref.backward(dy)
     for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), inputs, ref_inputs):
         assert relative_error(got.grad, want.grad) < TOLERANCE, name
+
+
+@requires_cuda
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("hidden, inter", [(200, 72), (136, 200), (264, 328)])
+def test_fused_at_sizes_that_are_not_tile_multiples(hidden, inter, recompute):
+    """H and I multiples of 8 only: every GEMM's last tile and k-block reach past them (tiles of 128 and
+    256 columns, k-blocks of 64) and must neither read nor write past them."""
+    shape = MoEShape(hidden_size=hidden, intermediate_size=inter, num_experts=6, top_k=2)
+    for routing in ("balanced", "skewed"):
+        check_fused_against_fp64(shape, 300, routing, recompute=recompute)
+
+
+def test_fp8_refuses_sizes_that_are_not_whole_scale_blocks(monkeypatch):
+    """Block FP8 needs whole 128-wide scale blocks: checked before any launch (no GPU needed here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megamoe.validation import check_fused_support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with FakeTensorMode():
+        x = torch.empty(4, 200, dtype=torch.bfloat16, device="cuda")
+    check_fused_support(x, 200, 72)  # bf16 takes them
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(ValueError, match=f"precision='{precision}' needs H and I to be multiples of 128.*"
+                                             "got H = 200, I = 72"):
+            check_fused_support(x, 200, 72, precision)
 
 
 @requires_cuda

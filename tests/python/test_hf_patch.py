@@ -63,7 +63,7 @@ def test_patched_model_matches_unpatched(backend, dtype):
         assert relative_error(got_grads[name], grad) < tolerance, name
 
 
-# Tiny random configs of each model family patch_hf_model serves. H = I = 128 (multiples of 128, so
+# Tiny random configs of each model family patch_hf_model serves. H = I = 128 (multiples of 8, so
 # the fused kernels take them on a GPU), 8 experts, top-2; "moe_layer" names one MoE layer's experts.
 COMMON = dict(vocab_size=128, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)

@@ -189,7 +189,8 @@ int megamoe_copy_async(void* dst, const void* src, int64_t bytes, void* stream);
 //   C[128 b : 128 b + 128, :] = A[128 b : 128 b + 128, :] · B[e]ᵀ
 // A [max_blocks * 128, K] bf16 row-major; B [E_local, N, K] bf16 row-major (nn.Linear layout);
 // C [max_blocks * 128, N] bf16 row-major. num_blocks is read on the device (no host sync).
-// N and K must be multiples of 128; every pointer 16-byte aligned.
+// N and K must be multiples of 8 (16-byte rows; the last tiles stop at N and K, docs/DESIGN.md);
+// every pointer 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* a;
@@ -279,7 +280,8 @@ int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, void* stream);
 // A [max_blocks * 128, hidden] bf16; w13 [E_local, 2 * intermediate, hidden] bf16 (rows [0, I) =
 // gate, [I, 2I) = up: the gate_up_proj layout); H [max_blocks * 128, intermediate] bf16.
 // z: null, or [max_blocks * 128, 2 * intermediate] bf16 that also receives g | u rounded to bf16
-// (the backward's z_pool, kept instead of recomputed). intermediate and hidden multiples of 128.
+// (the backward's z_pool, kept instead of recomputed). intermediate and hidden multiples of 8 (of 128
+// in the FP8 version below).
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* a;
@@ -325,7 +327,7 @@ int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, const megam
 // K = 2I, N = H). A [max_blocks * 128, K] bf16; out_rows [num_out_rows, N] bf16 (row t * top_k + k).
 // row_of_slot: null for the plan's slot_to_route, or any [max_blocks * 128] map. Rows mapped to -1
 // (padding) or >= num_out_rows are not written; nor is any row no pool row maps to (masked or
-// non-local routes keep their contents). N and K must be multiples of 128.
+// non-local routes keep their contents). N and K must be multiples of 8 (of 128 in the FP8 version).
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_B_N_BY_K 0
 #define MEGAMOE_B_K_BY_N 1
@@ -375,9 +377,10 @@ int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan, const meg
 // dy_pool [max_blocks * 128, hidden], z_pool and dz [max_blocks * 128, 2 * intermediate],
 // hp [max_blocks * 128, intermediate] bf16; p_pool [max_blocks * 128] and
 // dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32. All 16-byte aligned;
-// intermediate and hidden multiples of 128. Rows of blocks >= *num_blocks are not touched.
+// intermediate and hidden multiples of 8 (of 128 in the FP8 version). Rows of blocks >= *num_blocks
+// are not touched.
 // ---------------------------------------------------------------------------------------------
-#define MEGAMOE_DP_PARTIAL_COLS(intermediate) ((intermediate) / 128)
+#define MEGAMOE_DP_PARTIAL_COLS(intermediate) (((intermediate) + 127) / 128)
 
 typedef struct {
   const void* dy_pool;
@@ -441,7 +444,7 @@ int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_
 // n = I) has w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows inside
 // the last 64-row k-block must be zero in a or b and finite in both (dispatch and the dh epilogue
 // write zeros there); the padding past it is never read. An expert with no rows gets zeros
-// (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 128; 16-byte aligned.
+// (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 8; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_GRAD_BF16 0      // out is bf16, overwritten
 #define MEGAMOE_GRAD_FP32 1      // out is fp32, overwritten

@@ -37,8 +37,8 @@ extern "C" int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe
   MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dp_reduce_args& a = *args;
-  if (a.intermediate <= 0 || a.intermediate % 128 != 0) {
-    return invalid_argument(fn + "intermediate must be a positive multiple of 128, got " +
+  if (a.intermediate <= 0 || a.intermediate % 8 != 0) {
+    return invalid_argument(fn + "intermediate must be a positive multiple of 8, got " +
                             std::to_string(a.intermediate));
   }
   const int64_t num_routes = routing::num_routes(plan->shape);

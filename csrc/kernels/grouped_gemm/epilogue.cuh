@@ -115,12 +115,35 @@ __device__ __forceinline__ void pack_fragment(const float (&acc)[N], uint32_t (&
   for (int i = 0; i < N / 2; ++i) packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]) & keep;
 }
 
+// Where a TMA store of a box at (column, row) goes, for the maps of tensor_map.h: a matrix, one
+// plane of a tensor of planes (coordinates (column, row, plane)), or one half of a gated tensor
+// (coordinates (column, half, row)).
+struct InMatrix {
+  __device__ void store(const CUtensorMap* map, void* box, int col, int row) const {
+    cute::SM90_TMA_STORE_2D::copy(map, box, col, row);
+  }
+};
+struct InPlane {
+  int plane;
+  __device__ void store(const CUtensorMap* map, void* box, int col, int row) const {
+    cute::SM90_TMA_STORE_3D::copy(map, box, col, row, plane);
+  }
+};
+struct InHalf {
+  int half;
+  __device__ void store(const CUtensorMap* map, void* box, int col, int row) const {
+    cute::SM90_TMA_STORE_3D::copy(map, box, col, half, row);
+  }
+};
+
 // Stores packed fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by
-// TMA, each warp its own 16 rows (tma_c has 16-row boxes): a warp stages only its rows of the chunk
-// buffer, so it needs no other warp before it stages or issues its store.
-template <int Chunks, int M, class Smem>
+// TMA (where: InMatrix, InPlane or InHalf), each warp its own 16 rows (tma_c has 16-row boxes): a
+// warp stages only its rows of the chunk buffer, so it needs no other warp before it stages or
+// issues its store.
+template <int Chunks, int M, class Smem, class Where = InMatrix>
 __device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], const CUtensorMap* tma_c,
-                                                 const Smem& smem, int warpgroup, int row0, int col0) {
+                                                 const Smem& smem, int warpgroup, int row0, int col0,
+                                                 Where where = {}) {
   static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   static_assert(Chunks * kEpiCols * kWarpgroupRows <= M * 256, "more columns than the fragment holds");
   const int warp = (threadIdx.x / 32) % 4;
@@ -136,8 +159,7 @@ __device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], co
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     __syncwarp();
     if (leader) {
-      cute::SM90_TMA_STORE_2D::copy(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols,
-                                    row0 + warp * kWarpRows);
+      where.store(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols, row0 + warp * kWarpRows);
       cute::tma_store_arrive();
     }
   }

@@ -11,7 +11,12 @@
 // m64n128 fragment of the 128-column h tile, which the plain chunk store writes (deferred: below).
 //
 // KeepZ (training): the same halves, rounded to bf16 before the activation, are also stored as z = gate | up
-// [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ.
+// [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ; through a map of its
+// two halves (tensor_map.h), so the last tile of an I that is not a multiple of 128 stops at I.
+//
+// When I is not a multiple of 128, the last tile's gate box reaches into the expert's up rows and its
+// up box into the next expert's gate rows (or past w13, zeros): those columns of the tile are past I,
+// and the stores of h and z leave them out.
 #pragma once
 
 #include "kernels/grouped_gemm/activation.cuh"
@@ -34,23 +39,24 @@ struct GatedTile {
   // expert's 2I rows of w13.
   static BRows b_rows(const PoolProblem& p) { return {2 * p.n, p.n}; }
 
-  // z [pool rows, 2I] bf16, 16-row x 64-column boxes (tma_store_chunks).
+  // z [pool rows, 2I] bf16 as its two halves, 16-row x 64-column boxes (tma_store_chunks).
   static int z_params(const PoolProblem& p, void* z, CUtensorMap* map) {
     if (!KeepZ) return MEGAMOE_OK;
-    return make_tensor_map(map, z, p.rows, 2 * uint64_t(p.n), kWarpRows, p.fn, "z");
+    return make_halves_tensor_map(map, z, p.rows, uint64_t(p.n), kWarpRows, p.fn, "z");
   }
 
   // z's gate and up halves of the tile, rounded to bf16 (KeepZ): stored right after the main loop,
   // since their 64 packed registers would not fit beside the next tile's accumulators.
-  __device__ static void store_z(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* z, int intermediate,
+  __device__ static void store_z(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* z,
                                  const SharedStorage<Cfg>& smem, int warpgroup, int row0, int n_tile) {
     if constexpr (KeepZ) {
       using Half = const float(&)[kHalf];
       uint32_t packed[kHalf / 2];
-      pack_fragment(reinterpret_cast<Half>(acc[0]), packed);
-      tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, n_tile * kHCols);
-      pack_fragment(reinterpret_cast<Half>(acc[kHalf]), packed);
-      tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, intermediate + n_tile * kHCols);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // gate, then up
+        pack_fragment(reinterpret_cast<Half>(acc[half * kHalf]), packed);
+        tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, n_tile * kHCols, InHalf{half});
+      }
     }
   }
 
@@ -86,8 +92,7 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
-    CUtensorMap z;  // [max_blocks * 128, 2I] (KeepZ only)
-    int intermediate;
+    CUtensorMap z;  // [max_blocks * 128, 2I] as its two halves (KeepZ only)
   };
   using typename Tile::Rows;
 
@@ -97,7 +102,6 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     *params = Params{};
-    params->intermediate = p.n;
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
     return Tile::z_params(p, args.z, &params->z);
   }
@@ -112,7 +116,7 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
                                    const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    Tile::store_z(acc, &p.z, p.intermediate, smem, warpgroup, row0, t.n_tile);
+    Tile::store_z(acc, &p.z, smem, warpgroup, row0, t.n_tile);
     float h[kHalf];
     Tile::activate(acc, h);
     Pending pending;

@@ -38,11 +38,11 @@ namespace megamoe::grouped_gemm {
 
 // The kernel parameter, the same for either tile width and activation.
 struct GatedBackwardParams {
-  CUtensorMap dz;     // [max_blocks * 128, 2I], 64 x 64 boxes
+  CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 64 x 64 boxes
   CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
-  CUtensorMap z;      // [max_blocks * 128, 2I], 128 x 64 boxes (read through the ring)
+  CUtensorMap z;      // [max_blocks * 128, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   const float* p;     // [max_blocks * 128]
-  float* dp_partial;  // [max_blocks * 128, I / 128]
+  float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
   uint8_t* dz_fp8;    // [max_blocks * 128, 2I] e4m3 (QuantizeDz)
   float* dz_scales;   // [2I / 128, max_blocks * 128] (QuantizeDz)
   int pool_rows;
@@ -70,7 +70,7 @@ struct GatedBackwardEpilogue {
     const float* p;          // [pool rows]
     void* dz;                // [pool rows, 2I] bf16
     void* hp;                // [pool rows, I] bf16
-    float* dp_partial;       // [pool rows, I / 128]
+    float* dp_partial;       // [pool rows, MEGAMOE_DP_PARTIAL_COLS(I)]
     void* dz_fp8 = nullptr;  // [pool rows, 2I] e4m3 (QuantizeDz)
     float* dz_scales = nullptr;  // [2I / 128, pool rows] (QuantizeDz)
   };
@@ -83,9 +83,9 @@ struct GatedBackwardEpilogue {
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     const uint64_t i = uint64_t(p.n);
-    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->dz, args.dz, p.rows, 2 * i, kWarpgroupRows, p.fn, "dz"));
+    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
-    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->z, args.z, p.rows, 2 * i, kBlockM, p.fn, "z_pool"));
+    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, p.rows, i, kBlockM, p.fn, "z_pool"));
     params->p = args.p;
     params->dp_partial = args.dp_partial;
     params->dz_fp8 = static_cast<uint8_t*>(args.dz_fp8);
@@ -123,9 +123,8 @@ struct GatedBackwardEpilogue {
       uint64_t* full = smem.full(state.stage);
       Barrier::arrive_and_expect_tx(full, 2 * kZBoxBytes);
       const int col = t.n_tile * BlockN + c * kEpiCols;
-      cute::SM90_TMA_LOAD_2D::copy(&p.z, full, kTmaCacheHint, smem.a(state.stage), col, t.block * kBlockM);
-      cute::SM90_TMA_LOAD_2D::copy(&p.z, full, kTmaCacheHint, smem.b(state.stage), p.intermediate + col,
-                                   t.block * kBlockM);
+      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.a(state.stage), col, 0, t.block * kBlockM);
+      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.b(state.stage), col, 1, t.block * kBlockM);
       state.advance();
     }
   }
@@ -196,8 +195,8 @@ struct GatedBackwardEpilogue {
       warpgroup_sync(warpgroup);
       const int col = t.n_tile * BlockN + c * kEpiCols;
       if (leader) {
-        cute::SM90_TMA_STORE_2D::copy(&p.dz, g_dg, col, row0);
-        cute::SM90_TMA_STORE_2D::copy(&p.dz, u_du, p.intermediate + col, row0);
+        InHalf{0}.store(&p.dz, g_dg, col, row0);
+        InHalf{1}.store(&p.dz, u_du, col, row0);
         cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk, col, row0);
         cute::tma_store_arrive();  // one bulk group per chunk
       }
@@ -271,7 +270,7 @@ struct GatedBackwardEpilogue {
       dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
     }
     if (threadIdx.x % 4 == 0) {
-      const int partials = p.intermediate / 128;
+      const int partials = MEGAMOE_DP_PARTIAL_COLS(p.intermediate);
       const int64_t row = int64_t(t.block) * kBlockM + fragment_row(warpgroup);
       p.dp_partial[row * partials + partial] = dp[0];
       p.dp_partial[(row + 8) * partials + partial] = dp[1];

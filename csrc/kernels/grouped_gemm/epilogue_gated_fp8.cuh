@@ -39,7 +39,6 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     CUtensorMap z;  // (KeepZ only)
     float* h_scales;
     int pool_rows;
-    int intermediate;
   };
   using typename Tile::Rows;
 
@@ -52,7 +51,6 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     *params = Params{};
     params->h_scales = args.h_scales;
     params->pool_rows = int(p.rows);
-    params->intermediate = p.n;
     MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
     return Tile::z_params(p, args.z, &params->z);
   }
@@ -67,7 +65,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
                                    const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    Tile::store_z(acc, &p.z, p.intermediate, smem, warpgroup, row0, t.n_tile);
+    Tile::store_z(acc, &p.z, smem, warpgroup, row0, t.n_tile);
     float h[kHalf];
     Tile::activate(acc, h);
     float amax[2] = {0.f, 0.f};  // per row half

@@ -9,7 +9,8 @@
 // of 8 threads cover one 128-byte row, all 32 banks (conflict-free whatever the swizzle).
 // Each warp reads back only the 16 rows it staged, 4 per pass, 4 passes per chunk, so the warps of
 // a warpgroup never wait for each other; each thread's 4 routes are loaded before the tile's main
-// loop. Padding rows (route -1) and routes >= num_out_rows are skipped.
+// loop. Padding rows (route -1) and routes >= num_out_rows are skipped, and so are the 16-byte
+// pieces past N (the last tile of an N that is not a multiple of 128).
 //
 // Buffer reuse: chunk c + 2 overwrites chunk c's buffer only after the warp's __syncwarp of chunk
 // c + 1, which each of its threads reaches after its reads of chunk c; chunks per tile are even, so
@@ -116,7 +117,8 @@ struct ScatterEpilogue {
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = first_row() + pass * kRowsPerPass;
-        if (pending.rows.route[pass] >= 0) {
+        // Only a 128-wide tile can reach past N (256-wide tiles serve N that are multiples of 256).
+        if (pending.rows.route[pass] >= 0 && (BlockN == 256 || col < p.ld)) {
           const uint4 v = load_shared_16(chunk + row * kSwizzleBytes + ((piece ^ (row % 8)) * 16));
           *reinterpret_cast<uint4*>(p.out + int64_t(pending.rows.route[pass]) * p.ld + col) = v;
         }

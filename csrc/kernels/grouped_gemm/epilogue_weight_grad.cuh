@@ -1,10 +1,12 @@
 // Weight-gradient epilogue (K-grouped GEMM, scheduler_expert.cuh): the 128 x BLOCK_N tile (m-tile,
 // n-tile) of out[e] = A[rows of e]ᵀ · B[rows of e], out [E_local, M, N] row-major.
-//   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as [E M, N],
-//         deferred to the next tile's first wgmma batch.
+//   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as E planes
+//         of [M, N] (so a tile past M or N stops at the expert's edge), deferred to the next tile's
+//         first wgmma batch.
 //   fp32: each thread stores its fragment pairs straight from registers as float2 (4 lanes cover 32
-//         contiguous bytes of a row: whole sectors); with accumulate, out += tile (read, add, write:
-//         every element is owned by exactly one thread of one tile, so no atomics, deterministic).
+//         contiguous bytes of a row: whole sectors), those past M or N left out; with accumulate,
+//         out += tile (read, add, write: every element is owned by exactly one thread of one tile, so
+//         no atomics, deterministic).
 // A tile without k-blocks (an expert without rows) skipped the main loop: it writes zeros (adds
 // nothing), whatever acc holds.
 #pragma once
@@ -18,7 +20,7 @@ template <int BlockN, bool Fp32>
 struct WeightGradEpilogue {
   using Cfg = Config<BlockN, 1, Major::MN, Major::MN>;
   struct Params {
-    CUtensorMap c;  // bf16: out as [E * M, N], 16-row x 64-column boxes (unused for fp32)
+    CUtensorMap c;  // bf16: out as E planes [M, N], 16-row x 64-column boxes (unused for fp32)
     float* out;     // fp32: [E, M, N]
     int m, n;
     int accumulate;  // fp32 only: out += tile
@@ -40,8 +42,8 @@ struct WeightGradEpilogue {
                        Params* params) {
     *params = Params{};
     if constexpr (!Fp32) {
-      MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->c, args.out, uint64_t(plan.shape.num_local_experts) * m,
-                                              uint64_t(n), kWarpRows, fn, "out"));
+      MEGAMOE_RETURN_IF_ERROR(make_planes_tensor_map(&params->c, args.out, uint64_t(plan.shape.num_local_experts),
+                                                     uint64_t(m), uint64_t(n), kWarpRows, fn, "out"));
     }
     params->out = static_cast<float*>(args.out);
     params->m = m;
@@ -60,31 +62,33 @@ struct WeightGradEpilogue {
   static constexpr bool kDeferred = !Fp32;
   struct Pending {
     uint32_t packed[Cfg::kAccumulators / 2];
-    int row0, col0;
+    int expert, row0, col0;  // row0: of the expert's M
   };
 
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
                                    int warpgroup, const ExpertTile& t, Rows) {
     Pending pending;
     pack_fragment(acc, pending.packed, t.k_blocks == 0);
-    pending.row0 = t.expert * p.m + t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
+    pending.expert = t.expert;
+    pending.row0 = t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
     pending.col0 = t.n_tile * BlockN;
     return pending;
   }
   __device__ static void store(const Pending& pending, const Params& p, const SharedStorage<Cfg>& smem,
                                int warpgroup) {
-    tma_store_chunks<BlockN / kEpiCols>(pending.packed, &p.c, smem, warpgroup, pending.row0, pending.col0);
+    tma_store_chunks<BlockN / kEpiCols>(pending.packed, &p.c, smem, warpgroup, pending.row0, pending.col0,
+                                        InPlane{pending.expert});
   }
 
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
                                int warpgroup, const ExpertTile& t, Rows) {
     static_assert(Fp32, "bf16 weight gradients are deferred");
-    const int row0 = t.expert * p.m + t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
-    const int col0 = t.n_tile * BlockN;
+    const int col0 = t.n_tile * BlockN + 2 * (threadIdx.x % 4);  // this thread's first column
     const bool zero = t.k_blocks == 0;
-    const int lane = int(threadIdx.x % 32);
-    const int64_t row = row0 + int((threadIdx.x / 32) % 4) * 16 + lane / 4;
-    float* base = p.out + row * p.n + col0 + 2 * (lane % 4);
+    const int row = t.m_tile * kBlockM + warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * 16 +
+                    int(threadIdx.x % 32) / 4;  // of the expert's M; the other is row + 8
+    const bool in_m[2] = {row < p.m, row + 8 < p.m};
+    float* base = p.out + (int64_t(t.expert) * p.m + row) * p.n + col0;
     // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the
     // read-add-write costs one memory round trip per batch, not one per element.
     constexpr int kBatch = 8;
@@ -95,8 +99,10 @@ struct WeightGradEpilogue {
       for (int j = 0; j < kBatch; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          old[j][h] = p.accumulate ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
-                                   : make_float2(0.f, 0.f);
+          const bool inside = in_m[h] && col0 + 8 * (j0 + j) < p.n;
+          old[j][h] = p.accumulate && inside
+                          ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
+                          : make_float2(0.f, 0.f);
         }
       }
 #pragma unroll
@@ -107,7 +113,9 @@ struct WeightGradEpilogue {
           float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[x], acc[x + 1]);
           v.x += old[j][h].x;
           v.y += old[j][h].y;
-          *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
+          if (in_m[h] && col0 + 8 * (j0 + j) < p.n) {
+            *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
+          }
         }
       }
     }

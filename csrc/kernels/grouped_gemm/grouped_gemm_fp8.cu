@@ -12,7 +12,7 @@ extern "C" int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const 
   const std::string fn = "megamoe_grouped_gemm_fp8: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", &p));
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", kFp8SizeMultiple, &p));
   const PoolOperands operands{args->a, "a", args->b, "b", BRows{p.n, 0}};
   const Fp8Scales scales{args->a_scales, args->b_scales};
   if (wide_tiles(p.n)) {

@@ -24,7 +24,8 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
   const std::string fn = "megamoe_grouped_gemm_gated_bf16: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  MEGAMOE_RETURN_IF_ERROR(
+      make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
   return with_activation(fn, args->activation, [&](auto act) {
     using Act = decltype(act);
     return args->z == nullptr ? run_gated<GatedEpilogue<Act, false>>(p, *args, stream)
@@ -37,7 +38,8 @@ extern "C" int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, 
   const std::string fn = "megamoe_grouped_gemm_gated_fp8: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  MEGAMOE_RETURN_IF_ERROR(
+      make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kFp8SizeMultiple, &p));
   const Fp8Scales scales{args->a_scales, args->w13_scales};
   return with_activation(fn, args->activation, [&](auto act) {
     using Act = decltype(act);

@@ -24,7 +24,8 @@ extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_pl
   const std::string fn = "megamoe_grouped_gemm_gated_backward_bf16: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  MEGAMOE_RETURN_IF_ERROR(
+      make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
   return with_activation(fn, args->activation, [&](auto act) {
     using Act = decltype(act);
     return wide_tiles(p.n) ? run_gated_backward<GatedBackwardEpilogue<Act, 256>>(p, *args, stream)
@@ -37,7 +38,8 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
   const std::string fn = "megamoe_grouped_gemm_gated_backward_fp8: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", &p));
+  MEGAMOE_RETURN_IF_ERROR(
+      make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kFp8SizeMultiple, &p));
   const PoolOperands operands{args->dy_pool, "dy_pool", args->w2t, "w2t", BRows{p.n, 0}};
   const Fp8Scales scales{args->dy_scales, args->w2t_scales};
   return with_activation(fn, args->activation, [&](auto act) {

@@ -31,7 +31,7 @@ extern "C" int megamoe_grouped_gemm_scatter_bf16(const megamoe_routing_plan* pla
   const std::string fn = "megamoe_grouped_gemm_scatter_bf16: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", &p));
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", kBf16SizeMultiple, &p));
   if (args->num_out_rows == 0) return MEGAMOE_OK;  // nothing can be written
   switch (args->b_layout) {
     case MEGAMOE_B_N_BY_K:
@@ -49,7 +49,7 @@ extern "C" int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan
   const std::string fn = "megamoe_grouped_gemm_scatter_fp8: ";
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   PoolProblem p;
-  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", &p));
+  MEGAMOE_RETURN_IF_ERROR(make_pool_problem(fn, plan, args->n, "n", args->k, "k", kFp8SizeMultiple, &p));
   if (args->num_out_rows == 0) return MEGAMOE_OK;  // nothing can be written
   const PoolOperands operands{args->a, "a", args->b, "b", BRows{p.n, 0}};
   const ScatterArguments out{args->out_rows, args->row_of_slot, args->num_out_rows};

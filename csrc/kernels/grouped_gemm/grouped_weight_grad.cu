@@ -45,16 +45,17 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
     return invalid_argument(fn + "the plan's expert_offsets and expert_counts must be non-null");
   }
   MEGAMOE_RETURN_IF_ERROR(check_pointers(fn, {{a.a_pool, "a_pool"}, {a.b_pool, "b_pool"}}));
-  if (a.m <= 0 || a.m % 128 != 0) {
-    return invalid_argument(fn + "m must be a positive multiple of 128, got " + std::to_string(a.m));
-  }
-  if (a.n <= 0 || a.n % 128 != 0) {
-    return invalid_argument(fn + "n must be a positive multiple of 128, got " + std::to_string(a.n));
+  for (const auto& [size, name] : {std::pair{a.m, "m"}, std::pair{a.n, "n"}}) {
+    if (size <= 0 || size % kBf16SizeMultiple != 0) {
+      return invalid_argument(fn + name + " must be a positive multiple of 8 (16-byte bf16 rows), got " +
+                              std::to_string(size));
+    }
   }
   const int64_t experts = plan->shape.num_local_experts;
   MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, routing::pool_rows(*plan), "the plan's pool rows"));
   MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, experts * a.m, "num_local_experts * m (the rows of out)"));
-  MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, experts * (a.m / 128) * (a.n / 128), "the tile count"));
+  MEGAMOE_RETURN_IF_ERROR(
+      check_row_range(fn, experts * ((a.m + 127) / 128) * ((a.n + 127) / 128), "the tile count"));
   switch (a.output) {
     case MEGAMOE_GRAD_BF16:
       return run_weight_grad<false>(fn, *plan, a, stream);

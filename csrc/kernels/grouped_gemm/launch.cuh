@@ -90,7 +90,7 @@ int run_pool_gemm(const PoolProblem& p, const PoolOperands& operands, const type
   MEGAMOE_RETURN_IF_ERROR(Epi::to_params(p, args, &epi));
   CUtensorMap map_a, map_b;
   MEGAMOE_RETURN_IF_ERROR(make_operand_maps<Cfg>(p, operands, &map_a, &map_b));
-  const auto sched = PoolScheduler::to_params<Cfg>(p, p.n / Epi::kTileN, operands.b_rows);
+  const auto sched = PoolScheduler::to_params<Cfg>(p, Epi::kTileN, operands.b_rows);
   return launch<Epi, PoolScheduler>(map_a, map_b, epi, sched, stream, mainloop);
 }
 

@@ -45,24 +45,33 @@ inline int check_row_range(const std::string& fn, int64_t rows, const char* what
   return MEGAMOE_OK;
 }
 
+// N and K of a bf16 GEMM: rows of 16 bytes (TMA's stride unit); the tiles past N or K are cut off
+// (TMA fills what it loads past them with zeros and stores nothing there). Block FP8: whole 128-wide
+// scale blocks.
+constexpr int32_t kBf16SizeMultiple = 8;
+constexpr int32_t kFp8SizeMultiple = 128;
+
 // Checks the plan and the sizes every pool GEMM shares (n_name / k_name: the caller's names for N
-// and K); fills `out`.
+// and K; both multiples of `multiple`); fills `out`.
 inline int make_pool_problem(const std::string& fn, const megamoe_routing_plan* plan, int32_t n, const char* n_name,
-                             int32_t k, const char* k_name, PoolProblem* out) {
+                             int32_t k, const char* k_name, int32_t multiple, PoolProblem* out) {
   MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
   if (plan->block_expert == nullptr || plan->num_blocks == nullptr) {
     return invalid_argument(fn + "the plan's block_expert and num_blocks must be non-null (device pointers)");
   }
-  if (n <= 0 || n % 128 != 0) {
-    return invalid_argument(fn + n_name + " must be a positive multiple of 128, got " + std::to_string(n));
+  const std::string why = multiple == kFp8SizeMultiple ? " (block-FP8 scale blocks)" : " (16-byte bf16 rows)";
+  if (n <= 0 || n % multiple != 0) {
+    return invalid_argument(fn + n_name + " must be a positive multiple of " + std::to_string(multiple) + why +
+                            ", got " + std::to_string(n));
   }
-  if (k <= 0 || k % 128 != 0) {
-    return invalid_argument(fn + k_name + " must be a positive multiple of 128, got " + std::to_string(k));
+  if (k <= 0 || k % multiple != 0) {
+    return invalid_argument(fn + k_name + " must be a positive multiple of " + std::to_string(multiple) + why +
+                            ", got " + std::to_string(k));
   }
   const int64_t max_blocks = routing::max_blocks(*plan);
   // TMA coordinates and the tile counter are 32-bit.
   MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, max_blocks * MEGAMOE_BLOCK_M, "the plan's pool rows"));
-  MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, max_blocks * (n / 128), "the plan's blocks x n-tiles"));
+  MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, max_blocks * ((n + 127) / 128), "the plan's blocks x n-tiles"));
   *out = PoolProblem{fn, plan, max_blocks, uint64_t(max_blocks) * MEGAMOE_BLOCK_M, n, k,
                      plan->shape.num_local_experts};
   return MEGAMOE_OK;

@@ -49,21 +49,22 @@ struct PoolTile {
 };
 
 struct PoolScheduler {
-  static constexpr bool kMayBeEmpty = false;  // K >= 128
+  static constexpr bool kMayBeEmpty = false;  // K > 0
   static constexpr int kGroupBlocks = 8;
   struct Params {
     const int32_t* block_expert;
     const int32_t* num_blocks;
     int max_blocks;
     int n_tiles;   // per pool block
-    int k_blocks;  // K / 64
+    int k_blocks;  // K / the k-block depth, rounded up (TMA fills the last one's columns past K with zeros)
     BRows b_rows;
   };
 
-  // n_tiles tiles per pool block; Cfg's k-block depth.
+  // Tiles of tile_n columns of N per pool block (the last may reach past N); Cfg's k-block depth.
   template <class Cfg>
-  static Params to_params(const PoolProblem& p, int n_tiles, BRows b_rows) {
-    return {p.plan->block_expert, p.plan->num_blocks, int(p.max_blocks), n_tiles, p.k / Cfg::kKBlock, b_rows};
+  static Params to_params(const PoolProblem& p, int tile_n, BRows b_rows) {
+    return {p.plan->block_expert, p.plan->num_blocks, int(p.max_blocks), (p.n + tile_n - 1) / tile_n,
+            (p.k + Cfg::kKBlock - 1) / Cfg::kKBlock, b_rows};
   }
   static int64_t max_tiles(const Params& p) { return int64_t(p.max_blocks) * p.n_tiles; }
 

@@ -32,16 +32,16 @@ struct ExpertScheduler {
     const int32_t* expert_offsets;  // [num_experts + 1]
     const int32_t* expert_counts;   // [num_experts]
     int num_experts;
-    int m_tiles;  // M / 128
-    int n_tiles;  // N / BLOCK_N
+    int m_tiles;  // M / 128, rounded up
+    int n_tiles;  // N / BLOCK_N, rounded up
     int max_rows;
   };
 
-  // out[e] is [m, n], tiles 128 x BlockN.
+  // out[e] is [m, n], tiles 128 x BlockN (the last ones may reach past m or n).
   template <int BlockN>
   static Params to_params(const megamoe_routing_plan& plan, int m, int n) {
-    return {plan.expert_offsets, plan.expert_counts, plan.shape.num_local_experts, m / kBlockM, n / BlockN,
-            int(routing::pool_rows(plan))};
+    return {plan.expert_offsets, plan.expert_counts, plan.shape.num_local_experts, (m + kBlockM - 1) / kBlockM,
+            (n + BlockN - 1) / BlockN, int(routing::pool_rows(plan))};
   }
   static int64_t max_tiles(const Params& p) { return int64_t(p.num_experts) * p.m_tiles * p.n_tiles; }
 
