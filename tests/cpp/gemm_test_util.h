@@ -154,7 +154,7 @@ struct CheckedRow {
 // ref(pool_row, col) is the reference value; rows are checked on up to 32 host threads.
 inline Comparison compare_rows(const Plan& p, int n, const std::vector<CheckedRow>& rows,
                         const std::function<double(int64_t, int)>& ref, const std::vector<uint16_t>& out) {
-  const int col_tiles = n / 128;
+  const int col_tiles = (n + 127) / 128;  // the last one partial where n is not a multiple of 128
   const int64_t tiles = int64_t(p.num_blocks) * col_tiles;
   std::vector<double> err2(tiles, 0), ref2(tiles, 0);
   std::vector<int64_t> bad(tiles, 0);
