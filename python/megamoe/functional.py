@@ -11,7 +11,7 @@ _BASELINES = {"grouped": grouped_moe, "naive": naive_moe}
 
 
 def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: str = "bf16",
-        group=None, recompute: bool = False, activation: str = "swiglu"):
+        group=None, recompute: bool | str = False, activation: str = "swiglu"):
     """y [T, H] = Σ_k p[t, k] · expert(topk_ids[t, k])(x[t]); differentiable w.r.t. x,
     topk_weights, w13 and w2. See docs/DESIGN.md for the math and the weight layouts.
 
@@ -21,9 +21,11 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
     DeepSeek-V3 recipe: 1 x 128 activation and 128 x 128 weight scales, docs/DESIGN.md), "fp8_bwd"
     the bf16 forward with the FP8 backward; "mxfp8" needs Blackwell and raises here.
 
-    recompute (fused only): keep nothing but the inputs for the backward, and gather x and
-    recompute z = x·w13ᵀ there, instead of keeping the pool of x and z from the forward
-    (T·K·(H + 2I) bf16 plus padding). The baselines keep what autograd saves for them."""
+    recompute (fused only): what the backward redoes instead of keeping it from the forward. False
+    keeps the pool of x and z = x·w13ᵀ (T·K·(H + 2I) bf16 plus padding); "gather" keeps z alone and
+    gathers x's pool again in the backward (one more pass over T·K·H bf16); True keeps nothing but the
+    inputs, gathers x and recomputes z (one more GEMM). The baselines keep what autograd saves for
+    them."""
     check_options(backend, precision, recompute, activation, group)
     # The fused op checks the ids' range on the GPU (validation.IdRangeCheck), sparing the host a sync per call.
     problem = check_moe_inputs(x, topk_ids, topk_weights, w13, w2, group=group,
@@ -37,7 +39,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, backend: str = "fused", precision: s
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w2, precision: str = "bf16", group=None,
-              recompute: bool = False, activation: str = "swiglu"):
+              recompute: bool | str = False, activation: str = "swiglu"):
     """The fused persistent-kernel backend (`moe(..., backend="fused")`)."""
     return moe(x, topk_ids, topk_weights, w13, w2, backend="fused", precision=precision, group=group,
                recompute=recompute, activation=activation)

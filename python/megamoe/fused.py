@@ -75,13 +75,14 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, keep: bool,
-                      keep_plan: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      keep_pool: bool, keep_plan: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation)
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
-    output z [pool rows, 2I] bf16 for the backward, and after a bf16 forward its pool of x
-    [pool rows, H] (bf16, what dW13 reads; the e4m3 pool of an FP8 forward is not, so "fp8" keeps
-    none); otherwise empty. With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the
-    backward does not build it again; otherwise empty."""
+    output z [pool rows, 2I] bf16 for the backward, and with keep_pool as well, after a bf16 forward,
+    its pool of x [pool rows, H] (bf16, what dW13 reads; the e4m3 pool of an FP8 forward is not, so
+    "fp8" keeps none); otherwise empty. With keep_plan, the routing plan's buffer
+    (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
     x_pool, z, plan_buffer = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
@@ -94,7 +95,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if keep_plan:
         plan_buffer = plan.buffer
     routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")
-    if keep and pool is not None:
+    if keep and keep_pool and pool is not None:
         x_pool = pool
     del pool
     y = combine(plan, routed, topk_weights)
@@ -103,7 +104,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_plan):
+def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool, keep_plan):
     check_activation(activation)
     check_fused_precision(precision)
     x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
@@ -112,7 +113,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_plan
     if keep:
         rows = pool_capacity(topk_ids.numel(), w13.shape[0])
         z = x.new_empty(rows, w13.shape[1])
-        if precision != "fp8":
+        if keep_pool and precision != "fp8":
             x_pool = x.new_empty(rows, x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
@@ -201,7 +202,7 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, 
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, activation, precision, _, _ = inputs
+    x, topk_ids, topk_weights, w13, w2, activation, precision, _, _, _ = inputs
     _, x_pool, z, plan = output
     ctx.activation, ctx.precision = activation, precision
     ctx.mark_non_differentiable(x_pool, z, plan)
@@ -213,24 +214,26 @@ def _backward(ctx, dy, _dx_pool, _dz, _dplan):
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     if not any(needs) or dy is None:
-        return None, None, None, None, None, None, None, None, None
+        return (None,) * 10
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
     grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z,
                                plan, *needs, *main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None, None, None, None
+    return dx, None, dweights, dw13, dw2, None, None, None, None, None
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool, activation: str = "swiglu",
+def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool | str, activation: str = "swiglu",
                        precision: str = "bf16") -> torch.Tensor:
-    """y of the fused op; the routing plan is kept for the backward when one will run, and the pool
-    of x and z as well unless recompute is on."""
+    """y of the fused op; when a backward will run, the routing plan is kept for it, and by
+    `recompute` (validation.RECOMPUTE_MODES) z and the pool of x (False), z alone ("gather") or
+    neither (True)."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
     return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, precision,
-                             backward_will_run and not recompute, backward_will_run)[0]
+                             backward_will_run and (not recompute or recompute == "gather"), not recompute,
+                             backward_will_run)[0]

@@ -119,7 +119,7 @@ def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "bf16",
-                   recompute: bool = False) -> nn.Module:
+                   recompute: bool | str = False) -> nn.Module:
     """Makes transformers MoE `model` run its experts through `megamoe.moe(backend, precision)`.
 
     Serves every experts module of transformers' `use_experts_implementation` in megamoe's layout
@@ -128,8 +128,8 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     Experts modules in another layout keep their own implementation, listed in one warning; a model
     with none megamoe can serve raises TypeError.
 
-    recompute (fused only): the experts keep only their inputs for the backward (activation
-    checkpointing of the experts by the fused op itself, see `megamoe.moe`).
+    recompute (fused only): what the experts keep for the backward, as in `megamoe.moe` (True: only
+    their inputs, activation checkpointing by the fused op itself; "gather": z but not the pool of x).
 
     The experts' own `gate_up_proj` / `down_proj` are used in place (no copies); the model keeps
     computing its router logits, aux loss and shared experts itself. Patching again switches the
@@ -170,7 +170,7 @@ def _refused_message(refused: list[tuple[str, nn.Module, str]], model_name: str)
             f"implementation:{lines}")
 
 
-def _register(backend: str, precision: str, recompute: bool) -> str:
+def _register(backend: str, precision: str, recompute: bool | str) -> str:
     hf_moe = _require_transformers()
 
     def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
@@ -183,7 +183,8 @@ def _register(backend: str, precision: str, recompute: bool) -> str:
                    experts.down_proj, backend=backend, precision=precision, recompute=recompute,
                    activation=activation)
 
-    implementation = f"megamoe_{backend}_{precision}" + ("_recompute" if recompute else "")
+    implementation = (f"megamoe_{backend}_{precision}" + ("_recompute" if recompute else "")
+                      + ("_gather" if recompute == "gather" else ""))
     # Experts classes may dispatch through a subclass of the registry with a mapping of its own (e.g.
     # transformers' FP8 experts): every module of a switched config must find the entry.
     interfaces, pending = [], [hf_moe.ExpertsInterface]

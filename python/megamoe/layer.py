@@ -23,9 +23,10 @@ class MoELayer(nn.Module):
     With a process group of W ranks, w13/w2 hold this rank's E/W experts (docs/DESIGN.md); the router
     still scores all E experts.
 
-    recompute (fused only): the experts keep only their inputs for the backward and recompute the
-    rest there (`megamoe.moe(..., recompute=True)`): activation checkpointing of the experts, cheaper
-    than wrapping them in torch.utils.checkpoint.
+    recompute (fused only): False, "gather" or True, as in `megamoe.moe`: with True the experts keep
+    only their inputs for the backward and recompute the rest there (activation checkpointing of the
+    experts, cheaper than wrapping them in torch.utils.checkpoint); "gather" keeps z but not the pool
+    of x.
 
     dtype (default torch.bfloat16, what backend='fused' computes in): the gate's and the experts'
     parameters; forward takes hidden states of this dtype (the router's softmax runs in fp32).
@@ -41,7 +42,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, backend: str = "fused", precision: str = "bf16", group=None,
-                 *, use_expert_bias: bool = False, recompute: bool = False, initializer_range: float = 0.02,
+                 *, use_expert_bias: bool = False, recompute: bool | str = False, initializer_range: float = 0.02,
                  activation: str = "swiglu", shared_expert_intermediate_size: int = 0,
                  shared_expert_gate: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -150,7 +151,7 @@ class MoELayer(nn.Module):
         return (f"hidden_size={self.hidden_size}, moe_intermediate_size={self.w2.shape[-1]}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
                 f"activation={self.activation!r}, backend={self.backend!r}, precision={self.precision!r}, "
-                f"recompute={self.recompute}, expert_bias={self.expert_bias is not None}, "
+                f"recompute={self.recompute!r}, expert_bias={self.expert_bias is not None}, "
                 f"shared_expert_slices={self.num_shared}, shared_expert_gate={self.shared_expert_gate is not None}")
 
 

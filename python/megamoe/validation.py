@@ -15,6 +15,9 @@ PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 # What the fused kernels compute: bf16, block FP8 forward and backward, or a bf16 forward with an FP8 backward.
 FUSED_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 BACKENDS = ("fused", "grouped", "naive")
+# What the fused op keeps for the backward: False the pool of x and z, "gather" z (x is gathered again
+# in the backward), True only the inputs (x gathered again and z recomputed).
+RECOMPUTE_MODES = (False, "gather", True)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -51,7 +54,7 @@ def id_range_message(num_experts: int, got: str) -> str:
     return f"topk_ids must lie in [-1, {num_experts}) (-1 = masked route), got {got}"
 
 
-def check_options(backend: str, precision: str = "bf16", recompute: bool = False, activation: str = "swiglu",
+def check_options(backend: str, precision: str = "bf16", recompute: bool | str = False, activation: str = "swiglu",
                   group=None) -> None:
     """The options every entry point takes (megamoe.moe, MoELayer, patch_hf_model, the TorchTitan
     adapters), checked in one order with one set of messages, before any tensor is looked at."""
@@ -61,9 +64,11 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool = False
              "megamoe's sm_90a kernels do not use; on Hopper use precision='fp8' (1x128 / 128x128 block scales)",
              NotImplementedError)
     check_activation(activation)
+    _require(recompute in RECOMPUTE_MODES,
+             f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     # recompute is the fused op's own activation checkpointing; the baselines have none.
     _require(not recompute or backend == "fused",
-             f"recompute=True needs backend='fused' (the fused backend's own recomputation), got "
+             f"recompute={recompute!r} needs backend='fused' (the fused backend's own recomputation), got "
              f"backend={backend!r}, which keeps what autograd saves: wrap it in torch.utils.checkpoint instead")
     # Block FP8 runs in the fused kernels on one rank; the baselines compute in bf16.
     _require(precision == "bf16" or backend == "fused",
@@ -72,6 +77,9 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool = False
     _require(group is None or backend == "fused",
              f"expert parallelism over a process group runs backend='fused', got backend={backend!r}",
              NotImplementedError)
+    _require(group is None or recompute != "gather",
+             "recompute='gather' runs on one GPU; over a process group pass recompute=True (keep only the "
+             "inputs) or False", NotImplementedError)
 
 
 def check_fused_precision(precision: str) -> None:

@@ -198,16 +198,19 @@ def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
 @requires_cuda
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
 def test_fused_recompute_gives_the_kept_activations_gradients(case):
+    """recompute="gather" gathers the same pool of x again: the same bits; recompute=True recomputes
+    z with the plain GEMM: within its rounding."""
     x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, "cuda")
     dy = torch.randn_like(x)
-    grads = []
-    for recompute in (False, True):
+    grads = {}
+    for recompute in (False, "gather", True):
         leaves = [leaf(t) for t in (x, weights, w13, w2)]
         poison_cuda_cache()
         megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused",
                     recompute=recompute).backward(dy)
-        grads.append([t.grad for t in leaves])
-    for name, kept, recomputed in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        grads[recompute] = [t.grad for t in leaves]
+    for name, kept, gathered, recomputed in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads.values()):
+        assert torch.equal(gathered, kept), name
         assert relative_error(recomputed, kept) < 1e-3, name
 
 
@@ -222,22 +225,26 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True)
-        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False)
-        _, fp8_x_pool, fp8_z, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "fp8", True, True)
+        y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True, True)
+        _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False,
+                                                        False)
+        _, z_alone_x_pool, z_alone, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, False,
+                                                          True)
+        _, fp8_x_pool, fp8_z, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "fp8", True, True, True)
         grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", "bf16", x_pool, z, plan, True, False, True,
                                    True, None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
     assert x_pool.shape == (pool_rows, SMALL.hidden_size) and z.shape == (pool_rows, 2 * SMALL.intermediate_size)
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
+    assert z_alone_x_pool.numel() == 0 and z_alone.shape == z.shape  # recompute="gather"
     assert fp8_x_pool.numel() == 0 and fp8_z.shape == z.shape  # "fp8" keeps z; dW13 dispatches bf16 x again
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, "gather", True])
 def test_fused_op_autograd_gives_gradient_shapes_under_fake_tensors(recompute, activation):
     """The op's autograd registration (what its backward is handed and returns), without a kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -296,9 +303,10 @@ def test_fused_keeps_no_more_for_the_backward_than_grouped():
     operands = Operands(leaf(x), ids, leaf(weights), leaf(w13), leaf(w2))
     saved = {name: _saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
              for name, kwargs in (("fused", dict(backend="fused")),
+                                  ("gather", dict(backend="fused", recompute="gather")),
                                   ("recompute", dict(backend="fused", recompute=True)),
                                   ("grouped", dict(backend="grouped")))}
-    assert saved["recompute"] < saved["fused"] <= saved["grouped"], saved
+    assert saved["recompute"] < saved["gather"] < saved["fused"] <= saved["grouped"], saved
 
 
 @requires_cuda

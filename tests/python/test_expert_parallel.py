@@ -41,7 +41,7 @@ def _sm90():
 def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
     ys = virtual_ranks.forward_virtual_ranks(xs, ids, weights, w13s, w2s, activation)
-    y_one = fused_moe_forward(*whole, activation, "bf16", False, False)[0]
+    y_one = fused_moe_forward(*whole, activation, "bf16", False, False, False)[0]
     for r, (y, expected) in enumerate(zip(ys, y_one.split(tokens_per_rank))):
         assert y.shape == expected.shape
         assert torch.equal(y, expected), f"rank {r} differs from the single-rank output"

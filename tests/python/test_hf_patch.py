@@ -297,6 +297,8 @@ def test_patch_with_recompute_asks_the_fused_op_for_it(monkeypatch):
     assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True, "activation": "swiglu"}] * 2
     with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
         megamoe.patch_hf_model(model, backend="grouped", recompute=True)
+    assert megamoe.patch_hf_model(model, backend="fused", recompute="gather").config._experts_implementation == \
+        "megamoe_fused_bf16_recompute_gather"
 
 
 def test_patch_can_switch_backend():

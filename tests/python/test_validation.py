@@ -80,6 +80,9 @@ BAD_OPTIONS = {
     "mxfp8": (dict(backend="fused", precision="mxfp8"), NotImplementedError, "on Hopper use precision='fp8'"),
     "activation": (dict(backend="grouped", activation="bogus"), ValueError, "activation must be one of"),
     "recompute": (dict(backend="grouped", recompute=True), ValueError, "recompute=True needs backend='fused'"),
+    "recompute_gather": (dict(backend="naive", recompute="gather"), ValueError,
+                         "recompute='gather' needs backend='fused'"),
+    "recompute_mode": (dict(backend="fused", recompute="pool"), ValueError, "recompute must be one of"),
     "fp8_baseline": (dict(backend="naive", precision="fp8"), NotImplementedError, "runs in backend='fused'"),
 }
 
@@ -174,7 +177,7 @@ def _entry_points():
         "grouped_moe": lambda: backends.grouped_moe(*good_inputs(), activation="bogus"),
         "naive_moe": lambda: backends.naive_moe(*good_inputs(), activation="bogus"),
         "MoELayer": lambda: megamoe.MoELayer(64, 32, 4, 2, backend="grouped", activation="bogus"),
-        "fused_moe_forward": lambda: fused_moe_forward(*good_inputs(), "bogus", "bf16", False, False),
+        "fused_moe_forward": lambda: fused_moe_forward(*good_inputs(), "bogus", "bf16", False, False, False),
         "fused_moe_backward": fused_backward,
         "group_moe": lambda: expert_parallel_group.group_moe(*bf16(), None, "bogus"),
         "gated_gemm": lambda: gemm.gated_gemm(bf16()[X], bf16()[W13], None, "bogus"),

@@ -13,11 +13,13 @@ from megamoe.validation import BACKENDS as MOE_BACKENDS
 
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# megamoe.moe's own backends, fused keeping only its inputs for the backward (recompute=True), then
-# what users run today: grouped-fp8 is TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
-BACKENDS = (*MOE_BACKENDS, "fused-recompute", "grouped-compiled", "hf-grouped_mm", "grouped-fp8")
+# megamoe.moe's own backends, fused keeping z alone (recompute="gather") and only its inputs
+# (recompute=True) for the backward, then what users run today: grouped-fp8 is TorchTitan's FP8 MoE
+# path on Hopper (--precision fp8 only).
+BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "grouped-compiled", "hf-grouped_mm",
+            "grouped-fp8")
 # The backends that take a precision other than bf16 (the others are recorded as skipped there).
-LOW_PRECISION_BACKENDS = ("fused", "fused-recompute", "grouped-fp8")
+LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", "grouped-fp8")
 
 
 # torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
@@ -46,8 +48,9 @@ def build(name: str, shape: MoEShape, precision: str, device: torch.device | Non
         raise Unavailable(f"{name} runs bf16 only{counterpart}, not precision={precision!r}")
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
-    if name == "fused-recompute":
-        return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute=True)
+    if name.startswith("fused-recompute"):
+        recompute = "gather" if name == "fused-recompute-gather" else True
+        return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute=recompute)
     if name == "grouped-compiled":
         # dynamic=False: a training run sees one shape and gets kernels specialised for it; the
         # default would switch to dynamic shapes once the benchmark's second token count appears.
