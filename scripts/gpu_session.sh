@@ -3,9 +3,9 @@
 # facts (env.txt), the test command's log (GPU tests included), compute-sanitizer on the small
 # GoogleTests, and the benchmarks' logs and JSON (bench/ inside the folder).
 #   bash scripts/gpu_session.sh [stage ...]
-# Stages: env tests sanitize gemm profile bench classes train parity torchtitan (default: all but
-# profile, classes, parity and torchtitan);
-# after a failed `tests` stage the later stages are skipped.
+# Stages: env tests gpu-tests sanitize gemm profile bench classes train parity torchtitan (default:
+# all but gpu-tests, profile, classes, parity and torchtitan);
+# after a failed `tests` or `gpu-tests` stage the later stages are skipped.
 # Settings (environment variables):
 #   MEGAMOE_OUT        the results folder (default: runs/gpu-<date>-<time> in this tree; runs/ is ignored by git)
 #   MEGAMOE_TAR        also pack the folder into this .tar.gz (e.g. to copy it off the machine in one file)
@@ -46,6 +46,21 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
         nvcc --version | tail -1; cmake --version | head -1; } 2>&1 | tee "$out/env.txt" ;;
     tests)
       bash tests/run.sh -q 2>&1 | tee "$out/tests.log" || { echo "tests failed: stopping"; exit 1; } ;;
+    gpu-tests)
+      # The suite's GPU side in a fraction of `tests`' time: the GoogleTests in parallel, then one pytest
+      # per file, six at a time, largest first, without the CPU-device cases (CI runs those); a log
+      # per file in pytest/.
+      build
+      ctest --test-dir "$MEGAMOE_BUILD_DIR" -j 8 --output-on-failure >"$out/ctest.log" 2>&1
+      failed=$?
+      tail -3 "$out/ctest.log"
+      mkdir -p "$out/pytest"
+      export -f run_python build
+      ls -S tests/python/test_*.py | OUT_DIR="$out/pytest" xargs -P 6 -I{} bash -c \
+        'name=$(basename {} .py); OMP_NUM_THREADS=2 run_python -m pytest -q -rfE -p no:cacheprovider -k "not cpu" {} \
+           > "$OUT_DIR/$name.log" 2>&1; rc=$?; [[ $rc == 0 || $rc == 5 ]] || echo "FAILED: $name (rc $rc)"
+         tail -1 "$OUT_DIR/$name.log" | sed "s/^/$name: /"' | tee "$out/gpu-tests.log"
+      if (( failed )) || grep -q "^FAILED" "$out/gpu-tests.log"; then echo "tests failed: stopping"; exit 1; fi ;;
     sanitize)
       # Small shapes only: the kernels' memory accesses and shared-memory races, not their speed.
       for tool in memcheck racecheck; do

@@ -1,5 +1,5 @@
 # A/B of library versions on a GPU machine. Each scratch/<name>.tgz (from
-# `git archive <rev> CMakeLists.txt csrc python | gzip > scratch/<name>.tgz`) is built into
+# `git archive <rev> CMakeLists.txt cmake csrc python | gzip > scratch/<name>.tgz`) is built into
 # /tmp/b_<name> by build_libraries.sh (kept for later calls) and benchmarked with its own Python
 # package, in the order given, twice (ABAB), so drift shows. Results go to $MEGAMOE_OUT/<name>-<round>
 # (default runs/ab); MEGAMOE_WHEELS is a folder of wheels to install offline (build_libraries.sh).

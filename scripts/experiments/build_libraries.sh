@@ -1,5 +1,5 @@
 # Builds library versions side by side for an A/B on a GPU machine: each scratch/<name>.tgz (from
-# `git archive <rev> CMakeLists.txt csrc python | gzip > scratch/<name>.tgz`) is unpacked into
+# `git archive <rev> CMakeLists.txt cmake csrc python | gzip > scratch/<name>.tgz`) is unpacked into
 # /tmp/src_<name> and built into /tmp/b_<name>/libmegamoe.so, all in parallel; returns when all are
 # built. A build already in /tmp/b_<name> is kept, and a scratch/<name>.so (built elsewhere from the
 # same revision, with the same CUDA) is used as it is, with no build here.

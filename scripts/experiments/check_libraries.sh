@@ -1,6 +1,6 @@
 # Correctness of library versions on a GPU machine, before ab_libraries.sh times them.
 # For each <name>, build_libraries.sh unpacks scratch/<name>.tgz (`git archive <rev> CMakeLists.txt
-# csrc python tests pyproject.toml`) into /tmp/src_<name> and stages its library in /tmp/b_<name>;
+# cmake csrc python tests pyproject.toml`) into /tmp/src_<name> and stages its library in /tmp/b_<name>;
 # scratch/tests_<name>/ holds that revision's megamoe_tests with its libmegamoe.so, built beforehand
 # (e.g. on another machine with the same CUDA). Runs the GoogleTests, compute-sanitizer memcheck on
 # the small ones, and the revision's own pytest files given after `--` (default: the fused and
