@@ -167,6 +167,9 @@ def test_moe_checkpointing_of_fused_experts_is_their_own_recompute(tmp_path):
                           torch.device("cpu"))
     assert grouped.config._experts_implementation == "megamoe_grouped_bf16"
     assert all("forward" in vars(experts) for experts in qwen3_moe_experts(grouped))
+    gather = build_model(tiny(tmp_path, "moe.backend=fused", "train.activation_checkpointing=moe-gather"),
+                         torch.device("cpu"))
+    assert gather.config._experts_implementation == "megamoe_fused_bf16_recompute_gather"
 
 
 @pytest.mark.parametrize("override, message", [
@@ -175,6 +178,7 @@ def test_moe_checkpointing_of_fused_experts_is_their_own_recompute(tmp_path):
     ("moe.backend=fast", r"\[moe\]\.backend = 'fast': must be one of fused, grouped, naive"),
     ("moe.precision=fp4", r"\[moe\]\.precision"),
     ("moe.expert_parallel=2", r"\[moe\]\.expert_parallel = 2: only 1 is supported"),
+    ("train.activation_checkpointing=moe-gather", r"is the fused experts' own"),
     ("train.steps=0", r"\[train\]\.steps = 0: must be >= 1"),
     ("train.steps=ten", r"\[train\]\.steps must be of type int"),
     ("train.lr=-1.0", r"\[train\]\.lr = -1\.0: must be > 0"),

@@ -56,7 +56,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     seed: int = 0  # model initialisation and data
-    activation_checkpointing: str = "none"  # "none" | "full" (every decoder layer) | "moe" (the experts)
+    # "none" | "full" (every decoder layer) | "moe" (the experts) | "moe-gather" (the fused experts keep z
+    # and gather x again: megamoe.moe's recompute="gather")
+    activation_checkpointing: str = "none"
     device: str = "auto"  # "auto" = cuda when there is a GPU
 
 
@@ -103,7 +105,7 @@ MODEL_PRESETS = {
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "data": DataConfig,
             "output": OutputConfig}
-CHECKPOINTING = ("none", "full", "moe")
+CHECKPOINTING = ("none", "full", "moe", "moe-gather")
 # The precisions a model trains in: bf16, block FP8 forward and backward, BF16 forward with an FP8
 # backward. "mxfp8" (validation.PRECISIONS) needs Blackwell and is refused.
 TRAINABLE_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
@@ -237,4 +239,7 @@ def _validate(config: Config) -> None:
     _require(train.seq_len >= 2, "[train].seq_len", train.seq_len, "must be >= 2 (next-token prediction)")
     _require(train.activation_checkpointing in CHECKPOINTING, "[train].activation_checkpointing",
              train.activation_checkpointing, f"must be one of {', '.join(CHECKPOINTING)}")
+    _require(train.activation_checkpointing != "moe-gather" or moe.backend == "fused",
+             "[train].activation_checkpointing", train.activation_checkpointing,
+             "is the fused experts' own (set [moe].backend = 'fused', or use 'moe')")
     _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")

@@ -63,9 +63,11 @@ def build_model(config: Config, device: torch.device) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     checkpointing = config.train.activation_checkpointing
     # The fused experts checkpoint themselves: they keep their inputs and recompute only the gather and
-    # GEMM1 in the backward, where torch.utils.checkpoint would rerun their whole forward.
+    # GEMM1 in the backward, where torch.utils.checkpoint would rerun their whole forward ("moe"), or
+    # keep z and gather x again ("moe-gather").
     fused_recompute = checkpointing == "moe" and config.moe.backend == "fused"
-    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=fused_recompute)
+    recompute = "gather" if checkpointing == "moe-gather" else fused_recompute
+    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=recompute)
     if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif checkpointing == "moe" and not fused_recompute:
