@@ -13,7 +13,8 @@
 #   MEGAMOE_WHEELS     a folder of wheels to install offline first (default .whl, if it exists), e.g. the
 #                      nvidia-cutlass wheel for the CUDA headers on a machine without internet access
 #   MEGAMOE_COMMIT     the commit being measured, for the records, when the tree has no .git
-#   MEGAMOE_BENCH_ARGS, MEGAMOE_PROFILE_ARGS, MEGAMOE_TORCHTITAN_ARGS  extra arguments of those stages
+#   MEGAMOE_BENCH_ARGS, MEGAMOE_PROFILE_ARGS, MEGAMOE_TRAIN_ARGS, MEGAMOE_TORCHTITAN_ARGS  extra arguments
+#                      of those stages
 set -uo pipefail
 out=${MEGAMOE_OUT:+$(realpath -m "$MEGAMOE_OUT")} tarball=${MEGAMOE_TAR:+$(realpath -m "$MEGAMOE_TAR")}
 cd "$(dirname "$0")/.."
@@ -86,7 +87,8 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
           --modes fwd fwdbwd 2>&1 | grep -v "megamoe.bench: " | tee -a "$out/classes.log" || status=1
       done ;;
     train)
-      run_python -m megamoe.train.bench --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/train.log" || status=1 ;;
+      run_python -m megamoe.train.bench --out "$out/bench" ${MEGAMOE_TRAIN_ARGS:-} 2>&1 | grep -v "it/s\]" \
+        | tee "$out/train.log" || status=1 ;;
     parity)
       run_python -m megamoe.train.parity --out "$out/bench" 2>&1 | grep -v "it/s\]" | tee "$out/parity.log" || status=1 ;;
     torchtitan)
