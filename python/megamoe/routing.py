@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 
 import torch
@@ -29,29 +30,35 @@ class RoutingPlan:
     buffer: torch.Tensor = dataclasses.field(repr=False, compare=False, default=None)
     # What the plan is built for (megamoe_routing_plan.shape).
     shape: _native.RoutingShape = dataclasses.field(repr=False, compare=False, default=None)
+    # native()'s struct without a workspace, made once: every kernel of a layer takes the same one.
+    _native_plan: _native.RoutingPlan | None = dataclasses.field(repr=False, compare=False, default=None,
+                                                                  init=False)
 
     @classmethod
     def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int,
                     num_experts: int | None = None, expert_begin: int = 0) -> RoutingPlan:
         """The plan whose fields `buffer` holds (as build_routing laid them out), for the experts
         [expert_begin, expert_begin + num_local_experts) of num_experts (default: all are local)."""
-        views, offset = {}, 0
-        for name, shape in _field_shapes(num_tokens, top_k, num_local_experts).items():
-            size = math.prod(shape)
-            views[name] = buffer[offset:offset + size].view(shape)
-            offset += size
+        sizes, shapes = _buffer_layout(num_tokens, top_k, num_local_experts)
+        views = [part.view(shape) for part, shape in zip(buffer[:sum(sizes)].split(sizes), shapes)]
         shape = _native.RoutingShape(num_tokens, top_k, num_local_experts if num_experts is None else num_experts,
                                      expert_begin, num_local_experts)
-        return cls(**views, buffer=buffer, shape=shape)
+        return cls(**dict(zip(PLAN_FIELDS, views)), buffer=buffer, shape=shape)
 
     def native(self, workspace: torch.Tensor | None = None) -> _native.RoutingPlan:
         """The megamoe_routing_plan the C API takes: this plan's arrays and shape."""
-        return _native.RoutingPlan(*(getattr(self, name).data_ptr() for name in PLAN_FIELDS),
+        if workspace is None and self._native_plan is not None:
+            return self._native_plan
+        plan = _native.RoutingPlan(*(getattr(self, name).data_ptr() for name in PLAN_FIELDS),
                                    _native.address(workspace), self.shape)
+        if workspace is None:
+            self._native_plan = plan
+        return plan
 
 
 # The plan's arrays, in the order of megamoe_routing_plan's pointers (the dataclass order).
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan) if f.name not in ("buffer", "shape"))
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan)
+                    if f.name not in ("buffer", "shape", "_native_plan"))
 
 
 def pool_capacity(num_routes, num_local_experts: int):
@@ -66,6 +73,14 @@ def _field_shapes(num_tokens, top_k: int, num_local_experts: int) -> dict:
     return {"expert_counts": (num_local_experts,), "expert_offsets": (num_local_experts + 1,),
             "route_to_slot": (num_tokens, top_k), "slot_to_route": (capacity,),
             "block_expert": (capacity // _native.BLOCK_M,), "num_blocks": (1,), "num_invalid": (1,)}
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer_layout(num_tokens: int, top_k: int, num_local_experts: int) -> tuple[tuple[int, ...], tuple]:
+    """(each field's int32 count, each field's shape), in PLAN_FIELDS order: one computation per shape."""
+    fields = _field_shapes(num_tokens, top_k, num_local_experts)
+    shapes = tuple(fields[name] for name in PLAN_FIELDS)
+    return tuple(math.prod(shape) for shape in shapes), shapes
 
 
 def plan_buffer_size(num_tokens, top_k: int, num_local_experts: int):
