@@ -78,8 +78,8 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool | str =
              f"expert parallelism over a process group runs backend='fused', got backend={backend!r}",
              NotImplementedError)
     _require(group is None or recompute != "gather",
-             "recompute='gather' runs on one GPU; over a process group pass recompute=True (keep only the "
-             "inputs) or False", NotImplementedError)
+             "recompute='gather' is not implemented with group= yet; over a process group pass recompute=True "
+             "(keep only the inputs) or False", NotImplementedError)
 
 
 def check_fused_precision(precision: str) -> None:
