@@ -126,8 +126,8 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
 #pragma unroll
         for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
         scale[i] = fp8::block_scale(amax, (__ballot_sync(~0u, nan) & group) != 0);
-        q[i] = make_uint2(uint32_t(fp8::to_e4m3x2(f[0], f[1], scale[i])) | (uint32_t(fp8::to_e4m3x2(f[2], f[3], scale[i])) << 16),
-                          uint32_t(fp8::to_e4m3x2(f[4], f[5], scale[i])) | (uint32_t(fp8::to_e4m3x2(f[6], f[7], scale[i])) << 16));
+        q[i] = make_uint2(fp8::to_e4m3x4(f[0], f[1], f[2], f[3], scale[i]),
+                          fp8::to_e4m3x4(f[4], f[5], f[6], f[7], scale[i]));
       }
       for (int k = 0; k < top_k; ++k) {
         const int64_t slot = route_to_slot[t * top_k + k];

@@ -21,4 +21,9 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float a, float b, float scale) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, __NV_E4M3);
 }
 
+// Four values as four e4m3 bytes of one word (the first in the low byte).
+__device__ __forceinline__ uint32_t to_e4m3x4(float a, float b, float c, float d, float scale) {
+  return uint32_t(to_e4m3x2(a, b, scale)) | (uint32_t(to_e4m3x2(c, d, scale)) << 16);
+}
+
 }  // namespace megamoe::fp8

@@ -44,7 +44,7 @@ quantize_rows(const Bf16x4* __restrict__ a, uint32_t* __restrict__ q, float* __r
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const float scale = fp8::block_scale(amax, __any_sync(0xffffffffu, nan));
-    q[i] = uint32_t(fp8::to_e4m3x2(x[0], x[1], scale)) | (uint32_t(fp8::to_e4m3x2(x[2], x[3], scale)) << 16);
+    q[i] = fp8::to_e4m3x4(x[0], x[1], x[2], x[3], scale);
     if (lane == 0) scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = scale;
   }
 }
@@ -96,7 +96,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* v = x[i] + 4 * half;
-      packed[half] = uint32_t(fp8::to_e4m3x2(v[0], v[1], scale)) | (uint32_t(fp8::to_e4m3x2(v[2], v[3], scale)) << 16);
+      packed[half] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], scale);
     }
     q[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = make_uint2(packed[0], packed[1]);
   }

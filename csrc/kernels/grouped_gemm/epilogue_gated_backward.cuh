@@ -252,9 +252,8 @@ struct GatedBackwardEpilogue {
       for (int h = 0; h < 2; ++h) {
         const uint4 v = load_shared_16(chunks[(i + h) / 8] + ((((i + h) % 8) ^ (row % 8)) * 16));
         const float2 f0 = unpack(v.x), f1 = unpack(v.y), f2 = unpack(v.z), f3 = unpack(v.w);
-        q[2 * h] = uint32_t(fp8::to_e4m3x2(f0.x, f0.y, scale)) | (uint32_t(fp8::to_e4m3x2(f1.x, f1.y, scale)) << 16);
-        q[2 * h + 1] =
-            uint32_t(fp8::to_e4m3x2(f2.x, f2.y, scale)) | (uint32_t(fp8::to_e4m3x2(f3.x, f3.y, scale)) << 16);
+        q[2 * h] = fp8::to_e4m3x4(f0.x, f0.y, f1.x, f1.y, scale);
+        q[2 * h + 1] = fp8::to_e4m3x4(f2.x, f2.y, f3.x, f3.y, scale);
       }
       *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(q[0], q[1], q[2], q[3]);
     }
