@@ -63,10 +63,11 @@ import torch
 from . import _native, fp8
 from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
+from .fused import autograd_backward
 from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
                    grouped_gemm_scatter, grouped_gemm_scatter_fp8, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, pool_capacity
-from .validation import IdRangeCheck, check_fused_precision, main_grad_of
+from .validation import IdRangeCheck, check_fused_precision
 
 _PHASES = ("dispatch", "combine")
 _GROWTH = 1.25  # headroom when a shared buffer grows, so a slowly rising T does not regrow every call
@@ -542,17 +543,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_of_forward(ctx, dy, _dx_pool, _dx_scales, _dplan, _dtokens):
     x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens = ctx.saved_tensors
-    needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
-    if not any(needs) or dy is None:
-        return (None,) * 10
-    main_grads = [main_grad_of(w, name) if need else None
-                  for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    dx, dweights, dw13, dw2 = group_moe_backward(dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens,
-                                                 ctx.group_name, ctx.activation, ctx.precision, ctx.recompute,
-                                                 *main_grads)
-    wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
-    dx, dweights, dw13, dw2 = (g if want else None for g, want in zip((dx, dweights, dw13, dw2), wants))
-    return dx, None, dweights, dw13, dw2, None, None, None, None, None
+    # Every rank computes all four gradients (the owners' kernels serve every rank).
+    return autograd_backward(ctx, dy, w13, w2, lambda _needs, main_grads: group_moe_backward(
+        dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens, ctx.group_name, ctx.activation,
+        ctx.precision, ctx.recompute, *main_grads))
 
 
 group_moe_forward.register_autograd(_backward_of_forward, setup_context=_setup_context)

@@ -210,18 +210,27 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
 
 
-def _backward(ctx, dy, _dx_pool, _dz, _dplan):
-    x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
+def autograd_backward(ctx, dy, w13, w2, run) -> tuple:
+    """The autograd backward of an op whose inputs begin (x, topk_ids, topk_weights, w13, w2):
+    run(needs, main_grads) computes (dx, d topk_weights, dw13, dw2), needs saying which of them are
+    asked for and main_grads w13's / w2's fp32 buffer where the weight gradient goes into it (or
+    None). A weight gradient added into its main_grad reaches autograd as None."""
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+    rest = (None,) * (len(ctx.needs_input_grad) - 5)
     if not any(needs) or dy is None:
-        return (None,) * 10
+        return (None,) * 5 + rest
     main_grads = [main_grad_of(w, name) if need else None
                   for w, name, need in ((w13, "w13", needs[2]), (w2, "w2", needs[3]))]
-    grads = fused_moe_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z,
-                               plan, *needs, *main_grads)
+    grads = run(needs, main_grads)
     wants = needs[:2] + [need and main is None for need, main in zip(needs[2:], main_grads)]
     dx, dweights, dw13, dw2 = (g if want else None for g, want in zip(grads, wants))
-    return dx, None, dweights, dw13, dw2, None, None, None, None, None
+    return (dx, None, dweights, dw13, dw2) + rest
+
+
+def _backward(ctx, dy, _dx_pool, _dz, _dplan):
+    x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
+    return autograd_backward(ctx, dy, w13, w2, lambda needs, main_grads: fused_moe_backward(
+        dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z, plan, *needs, *main_grads))
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
