@@ -89,10 +89,10 @@ DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _p
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
                          ("m", _i32), ("n", _i32), ("output", _i32))
 
-STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs, GemmArgs,
-           GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs,
-           ScatterGemmFp8Args, GatedBackwardArgs,
-           GatedBackwardFp8Args, DpReduceArgs, WeightGradArgs)
+STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
+           GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs,
+           GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs, GatedBackwardFp8Args,
+           DpReduceArgs, WeightGradArgs)
 
 
 def _p(struct: type[ctypes.Structure]):

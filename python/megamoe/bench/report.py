@@ -94,7 +94,8 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
     for r in result["records"]:
         row = [r["preset"], str(r["tokens"]), r["routing"], r["backend"], r["precision"]]
         for mode in ("fwd", "fwdbwd"):
-            row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt(r.get(f"{mode}_single_ms"), ".2f"), _fmt_tflops(r[f"{mode}_tflops"]),
+            row += [_fmt(r[f"{mode}_ms"], ".2f"), _fmt(r.get(f"{mode}_single_ms"), ".2f"),
+                    _fmt_tflops(r[f"{mode}_tflops"]),
                     _fmt(r[f"{mode}_pct_bf16_peak"], ".0f"), _fmt(r[f"{mode}_vs_grouped"], ".2f"),
                     _fmt(r.get(f"{mode}_sm_mhz"), ".0f")]
         row += [_fmt(r["peak_mem_gb"], ".1f"), _fmt(r["saved_gb"], ".2f"), _shorten(r["skipped"] or "", 60)]
