@@ -3,8 +3,8 @@
 // block of GEMM2's A), stored by TMA; z (KeepZ) as in the bf16 epilogue.
 //
 // A row's 128 h values lie with the 4 lanes of one quad, 32 each (epilogue.cuh's fragment layout):
-// their amax comes from two shuffles. scale = amax / 448 (1 for an all-zero block, whose values are
-// 0 either way), q = h · (1 / scale) rounded to e4m3, saturating. The warpgroup's 64 x 128 e4m3 tile
+// their amax comes from two shuffles, and whether one is NaN from a ballot; scale and q as every FP8
+// quantiser of the library computes them (kernels/fp8/e4m3.cuh). The warpgroup's 64 x 128 e4m3 tile
 // is one 8 KB chunk buffer in the 128-byte swizzle of its TMA box (byte column c of row r at
 // r * 128 + ((c / 16) ^ (r % 8)) * 16 + c % 16); each warp writes and stores its own 16 rows. Lane
 // l % 4 == 0 writes its two rows' scales to h_scales [I / 128, pool rows].
@@ -69,24 +69,24 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     float h[kHalf];
     Tile::activate(acc, h);
     float amax[2] = {0.f, 0.f};  // per row half
+    bool nan[2] = {false, false};
 #pragma unroll
-    for (int x = 0; x < kHalf; ++x) amax[(x / 2) % 2] = fmaxf(amax[(x / 2) % 2], fabsf(h[x]));
+    for (int x = 0; x < kHalf; ++x) {
+      amax[(x / 2) % 2] = fmaxf(amax[(x / 2) % 2], fabsf(h[x]));
+      nan[(x / 2) % 2] |= h[x] != h[x];
+    }
+    const unsigned quad = 0xfu << (threadIdx.x % 32 & ~3u);  // the row's 4 lanes
     Pending pending;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
       amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 2));
-      const float scale = amax[half] > 0.f ? amax[half] / fp8::kE4m3Max : 1.f;
-      const float inverse = 1.f / scale;
+      const bool quad_nan = (__ballot_sync(0xffffffffu, nan[half]) & quad) != 0;
+      const float scale = fp8::block_scale(amax[half], quad_nan);
 #pragma unroll
-      for (int j = 0; j < kHalf / 4; j += 2) {
-        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-            make_float2(h[4 * j + 2 * half] * inverse, h[4 * j + 2 * half + 1] * inverse), __NV_SATFINITE, __NV_E4M3);
-        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-            make_float2(h[4 * j + 4 + 2 * half] * inverse, h[4 * j + 5 + 2 * half] * inverse), __NV_SATFINITE,
-            __NV_E4M3);
-        pending.q[8 * half + j / 2] = uint32_t(lo) | (uint32_t(hi) << 16);
-      }
+      for (int j = 0; j < kHalf / 4; j += 2)
+        pending.q[8 * half + j / 2] = fp8::to_e4m3x4(h[4 * j + 2 * half], h[4 * j + 2 * half + 1],
+                                                     h[4 * j + 4 + 2 * half], h[4 * j + 5 + 2 * half], scale);
       if (threadIdx.x % 4 == 0) {
         const int row = row0 + int((threadIdx.x / 32) % 4) * kWarpRows + int(threadIdx.x % 32) / 4 + 8 * half;
         p.h_scales[int64_t(t.n_tile) * p.pool_rows + row] = scale;
