@@ -65,7 +65,7 @@ from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
-                   grouped_gemm_scatter, grouped_gemm_scatter_fp8, reduce_dp, weight_grad)
+                   grouped_gemm_scatter, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
@@ -367,15 +367,15 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     else:
         w13_fp8 = fp8.quantized_weight(w13)
         z = grouped_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan)
-    in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
     if dy_fp8 is None:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+        in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
         grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
     else:
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
         dz, hp, dp_partial, dz_fp8 = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan, activation)
         w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
-        grouped_gemm_scatter_fp8(*dz_fp8, w13t, w13t_scales, plan, dx_pool, row_of_slot=in_place)
+        grouped_gemm_fp8(*dz_fp8, w13t, w13t_scales, plan, out=dx_pool)
     weight_grad(dz, x_bf16, plan, dw13)
     weight_grad(dy_pool, hp, plan, dw2)
     return reduce_dp(dp_partial, plan)
@@ -401,8 +401,7 @@ def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, pre
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
         h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation)
         out = ws.local("out", x_pool.numel()).view(x_pool.shape[0], x.shape[1])
-        in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x.device)
-        grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, out, row_of_slot=in_place)
+        grouped_gemm_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, out=out)
     else:
         pools, _ = _publish_and_pull(ws, meta, plan, {"rows": x})
         x_pool, x_scales = pools["rows"], None

@@ -22,6 +22,15 @@ def _check_pool_operands(name: str, a: torch.Tensor, b: torch.Tensor, plan: Rout
     return rows
 
 
+def _output(out: torch.Tensor | None, rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """out checked as a pool GEMM's c [rows, N] bf16, or a new one for None."""
+    c = torch.empty(rows, n, dtype=torch.bfloat16, device=device) if out is None else out
+    if c.shape != (rows, n) or c.dtype != torch.bfloat16 or c.device != device or not c.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 [{rows}, {n}] on {device}, got {c.dtype} "
+                         f"{tuple(c.shape)} on {c.device}")
+    return c
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """c [rows, N] with c[block] = a[block] · b[expert of block]ᵀ for the plan's live blocks.
@@ -31,26 +40,24 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch
     """
     rows = _check_pool_operands("grouped_gemm", a, b, plan, torch.bfloat16)
     num_local, n, k = b.shape
-    c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device) if out is None else out
-    if c.shape != (rows, n) or c.dtype != torch.bfloat16 or c.device != a.device or not c.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 [{rows}, {n}] on {a.device}, got {c.dtype} "
-                         f"{tuple(c.shape)} on {c.device}")
+    c = _output(out, rows, n, a.device)
     _native.call("megamoe_grouped_gemm_bf16", "grouped_gemm", plan.native(),
                  _native.GemmArgs(a.data_ptr(), b.data_ptr(), c.data_ptr(), n, k), _native.stream(a.device))
     return c
 
 
 def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                     plan: RoutingPlan) -> torch.Tensor:
-    """Block-FP8 grouped_gemm: c [rows, N] bf16 from e4m3 a [rows, K] with a_scales [K / 128, rows]
-    and e4m3 b [E_local, N, K] with b_scales [E_local, N / 128, K / 128] (megamoe.fp8 makes both)."""
+                     plan: RoutingPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-FP8 grouped_gemm: c [rows, N] bf16 (written to out, as in grouped_gemm) from e4m3 a
+    [rows, K] with a_scales [K / 128, rows] and e4m3 b [E_local, N, K] with b_scales
+    [E_local, N / 128, K / 128] (megamoe.fp8 makes both)."""
     rows = _check_pool_operands("grouped_gemm_fp8", a, b, plan, torch.float8_e4m3fn)
     num_local, n, k = b.shape
     for name, t, shape in (("a_scales", a_scales, (k // 128, rows)),
                            ("b_scales", b_scales, (num_local, n // 128, k // 128))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
-    c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
+    c = _output(out, rows, n, a.device)
     _native.call("megamoe_grouped_gemm_fp8", "grouped_gemm_fp8", plan.native(),
                  _native.GemmFp8Args(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(),
                                      c.data_ptr(), n, k), _native.stream(a.device))
@@ -92,13 +99,11 @@ def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w
 
 
 def grouped_gemm_scatter_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                             plan: RoutingPlan, out: torch.Tensor, row_of_slot: torch.Tensor | None = None) -> None:
-    """Block-FP8 grouped_gemm_scatter: out[row_of_slot[s]] = a[s] · b[e]ᵀ (row_of_slot None: the plan's
-    slot_to_route), a [rows, K] e4m3 with a_scales [K / 128, rows], b [E_local, N, K] e4m3 with b_scales
-    [E_local, N / 128, K / 128]."""
+                             plan: RoutingPlan, out: torch.Tensor) -> None:
+    """Block-FP8 grouped_gemm_scatter: out[slot_to_route[s]] = a[s] · b[e]ᵀ, a [rows, K] e4m3 with
+    a_scales [K / 128, rows], b [E_local, N, K] e4m3 with b_scales [E_local, N / 128, K / 128]."""
     args = _native.ScatterGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(),
-                                      out.data_ptr(), _native.address(row_of_slot), out.shape[0], out.shape[1],
-                                      a.shape[1])
+                                      out.data_ptr(), 0, out.shape[0], out.shape[1], a.shape[1])
     _native.call("megamoe_grouped_gemm_scatter_fp8", "FP8 grouped GEMM with scattered rows", plan.native(), args,
                  _native.stream(a.device))
 
