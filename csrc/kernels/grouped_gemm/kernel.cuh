@@ -63,11 +63,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     const __grid_constant__ typename Epi::Params epi,
                     const __grid_constant__ typename Sched::Params sched_params) {
   using Cfg = typename Epi::Cfg;
-  extern __shared__ uint8_t smem_raw[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SharedStorage<Cfg> smem(smem_raw);
   const int warpgroup = int(threadIdx.x / 128);
 
   if (threadIdx.x == 0) {
+    if (cute::cast_smem_ptr_to_uint(smem_raw) % 1024 != 0) __trap();  // the swizzled tiles would misplace rows
     cute::prefetch_tma_descriptor(&tma_a);
     cute::prefetch_tma_descriptor(&tma_b);
     if constexpr (Cfg::kFp8) cute::prefetch_tma_descriptor(&mainloop.a_scales);
