@@ -3,7 +3,7 @@ import torch
 
 from megamoe import fp8
 from megamoe.exchange import dispatch, dispatch_fp8
-from megamoe.gemm import gated_backward_fp8, grouped_gemm_fp8
+from megamoe.gemm import grouped_gemm_fp8
 from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import make_routing
@@ -88,27 +88,6 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     assert scales[-1, slot].isnan()
     if hidden > fp8.BLOCK:  # the NaN's block only: the row's first block is another one
         assert scales[0, slot].isfinite()
-
-
-@requires_cuda
-@pytest.mark.parametrize("inter", [384, 512])  # 128- and 256-wide tiles: 2 and 4 chunks per tile
-def test_the_fp8_dh_epilogue_quantises_dz_as_the_row_kernel_does(inter):
-    """The dz that the dx GEMM reads comes from the dh epilogue: byte for byte the row quantisation
-    of the bf16 dz it stores, scales included."""
-    tokens, experts, hidden = 700, 8, 256
-    ids, weights = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(2))
-    plan = build_routing(ids.cuda(), experts)
-    dy = torch.randn(tokens, hidden, device="cuda").bfloat16()
-    _, p_pool = dispatch(plan, dy, weights.cuda())
-    w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
-    z = torch.randn(plan.slot_to_route.numel(), 2 * inter, device="cuda").bfloat16()
-    dz, _, _, (dz_fp8, dz_scales) = gated_backward_fp8(*dispatch_fp8(plan, dy),
-                                                       *fp8.quantize_blocks(w2.transpose(1, 2).contiguous()), z,
-                                                       p_pool, plan)
-    live = int(plan.num_blocks) * 128
-    want, want_scales = fp8.quantize_rows(dz[:live])
-    assert torch.equal(dz_fp8[:live].view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(dz_scales[:, :live], want_scales)
 
 
 # --- The weight-quantisation cache ---------------------------------------------------------------

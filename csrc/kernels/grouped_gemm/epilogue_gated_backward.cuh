@@ -20,15 +20,10 @@
 // dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
 // deterministic, and the same sums in the same order for either BLOCK_N.
-// QuantizeDz (block FP8, for the dx GEMM): once a pair of chunks (128 columns, one 1 x 128 block of dg
-// and one of du) is staged in bf16, each lane reads one row's block back from shared memory (dg for
-// an even lane, du for an odd one) and writes it as e4m3 with its scale (kernels/fp8/e4m3.cuh): the
-// bytes megamoe_quantize_rows_fp8 makes from the stored bf16 dz, without a pass over it.
 #pragma once
 
 #include <cuda_bf16.h>
 
-#include "kernels/fp8/e4m3.cuh"
 #include "kernels/grouped_gemm/activation.cuh"
 #include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
@@ -43,16 +38,13 @@ struct GatedBackwardParams {
   CUtensorMap z;      // [max_blocks * 128, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   const float* p;     // [max_blocks * 128]
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
-  uint8_t* dz_fp8;    // [max_blocks * 128, 2I] e4m3 (QuantizeDz)
-  float* dz_scales;   // [2I / 128, max_blocks * 128] (QuantizeDz)
-  int pool_rows;
   int intermediate;
 };
 
 // The problem's N is I (columns of dh), its K the hidden size. C: the main loop's config, BF16
 // reading w2 as it is (MN-major B), or block FP8 reading a transposed copy (K-major B,
 // config_fp8.cuh); its stages hold the z chunks either way.
-template <class Act, int BlockN, class C = Config<BlockN, 1, Major::K, Major::MN>, bool QuantizeDz = false>
+template <class Act, int BlockN, class C = Config<BlockN, 1, Major::K, Major::MN>>
 struct GatedBackwardEpilogue {
   using Cfg = C;
   static_assert(Cfg::kBlockN == BlockN, "the config's tile width");
@@ -71,15 +63,11 @@ struct GatedBackwardEpilogue {
     void* dz;                // [pool rows, 2I] bf16
     void* hp;                // [pool rows, I] bf16
     float* dp_partial;       // [pool rows, MEGAMOE_DP_PARTIAL_COLS(I)]
-    void* dz_fp8 = nullptr;  // [pool rows, 2I] e4m3 (QuantizeDz)
-    float* dz_scales = nullptr;  // [2I / 128, pool rows] (QuantizeDz)
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
-    MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.z, "z_pool"}, {args.p, "p_pool"}, {args.dz, "dz"},
-                                                  {args.hp, "hp"}, {args.dp_partial, "dp_partial"}}));
-    if (QuantizeDz) return check_pointers(p.fn, {{args.dz_fp8, "dz_fp8"}, {args.dz_scales, "dz_scales"}});
-    return MEGAMOE_OK;
+    return check_pointers(p.fn, {{args.z, "z_pool"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
+                                 {args.dp_partial, "dp_partial"}});
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     const uint64_t i = uint64_t(p.n);
@@ -88,9 +76,6 @@ struct GatedBackwardEpilogue {
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, p.rows, i, kBlockM, p.fn, "z_pool"));
     params->p = args.p;
     params->dp_partial = args.dp_partial;
-    params->dz_fp8 = static_cast<uint8_t*>(args.dz_fp8);
-    params->dz_scales = args.dz_scales;
-    params->pool_rows = int(p.rows);
     params->intermediate = p.n;
     return MEGAMOE_OK;
   }
@@ -201,11 +186,6 @@ struct GatedBackwardEpilogue {
         cute::tma_store_arrive();  // one bulk group per chunk
       }
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
-      if constexpr (QuantizeDz) {
-        if (c % 2 == 1) {  // both chunks staged: the warpgroup synced after chunk c's stage writes
-          quantize_dz(p, smem, stages[c - 1], stages[c], warpgroup, row0, col - kEpiCols);
-        }
-      }
     }
     if (leader) cute::tma_store_wait<0>();
     warpgroup_sync(warpgroup);
@@ -213,51 +193,6 @@ struct GatedBackwardEpilogue {
     for (int c = kChunks - 2; c < kChunks; ++c) {
       if (signals) Barrier::arrive(smem.empty(stages[c]));
     }
-  }
-
-  // Lane l: row l / 2 of the warp's 16, the 128 columns [col, col + 128) of dg (even l; the A slots of
-  // chunks col / 64 and col / 64 + 1) or du (odd l; the B slots), read as bf16 twice: once for the
-  // block's amax, once to quantise. 16 bytes of e4m3 per global store.
-  template <class Smem>
-  __device__ static void quantize_dz(const Params& p, const Smem& smem, int first_stage, int second_stage,
-                                     int warpgroup, int row0, int col) {
-    static_assert(kEpiCols == 64, "two chunks make one 128-column scale block");
-    const int lane = int(threadIdx.x % 32);
-    const bool up = lane % 2;
-    const int row = int((threadIdx.x / 32) % 4) * kWarpRows + lane / 2;  // of the warpgroup's 64
-    const uint32_t offset = (warpgroup * kWarpgroupRows + row) * kSwizzleBytes;
-    const uint8_t* chunks[2] = {(up ? smem.b(first_stage) : smem.a(first_stage)) + offset,
-                                (up ? smem.b(second_stage) : smem.a(second_stage)) + offset};
-    float amax = 0.f;
-    bool nan = false;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint4 v = load_shared_16(chunks[i / 8] + (((i % 8) ^ (row % 8)) * 16));
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = unpack(words[w]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        nan |= f.x != f.x || f.y != f.y;
-      }
-    }
-    const float scale = fp8::block_scale(amax, nan);
-    const int64_t grow = int64_t(row0) + row;
-    const int gcol = (up ? p.intermediate : 0) + col;
-    uint8_t* out = p.dz_fp8 + grow * (2 * int64_t(p.intermediate)) + gcol;
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {  // two 16-byte groups of 8 values -> 16 e4m3 bytes
-      uint32_t q[4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 v = load_shared_16(chunks[(i + h) / 8] + ((((i + h) % 8) ^ (row % 8)) * 16));
-        const float2 f0 = unpack(v.x), f1 = unpack(v.y), f2 = unpack(v.z), f3 = unpack(v.w);
-        q[2 * h] = fp8::to_e4m3x4(f0.x, f0.y, f1.x, f1.y, scale);
-        q[2 * h + 1] = fp8::to_e4m3x4(f2.x, f2.y, f3.x, f3.y, scale);
-      }
-      *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(q[0], q[1], q[2], q[3]);
-    }
-    p.dz_scales[int64_t(gcol / 128) * p.pool_rows + grow] = scale;
   }
 
   // The 4 lanes of a row hold disjoint columns: add them in a fixed order; then start the next partial.

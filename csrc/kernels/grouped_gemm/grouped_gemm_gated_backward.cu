@@ -1,7 +1,7 @@
 // megamoe_grouped_gemm_gated_backward_bf16 / _fp8: dh = dy_pool · w2[e] with the gated activation's
 // backward, the p-weighting and the dp partial sums in the epilogue (kernel.cuh with
 // epilogue_gated_backward.cuh). BF16 reads w2 [E, H, I] as it is: B[e] = [K = H, N = I], MN-major;
-// block FP8 reads its transposed copy [E, I, H] (K-major) and also writes dz quantised for dx.
+// block FP8 reads its transposed copy [E, I, H] (K-major).
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_backward.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -46,12 +46,10 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
     using Act = decltype(act);
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
-      return run_pool_gemm_fp8<Epi>(
-          p, operands,
-          {args->z_pool, args->p_pool, args->dz, args->hp, args->dp_partial, args->dz_fp8, args->dz_scales}, scales,
-          stream);
+      return run_pool_gemm_fp8<Epi>(p, operands, {args->z_pool, args->p_pool, args->dz, args->hp, args->dp_partial},
+                                    scales, stream);
     };
-    return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>, true>{})
-                           : run(GatedBackwardEpilogue<Act, 128, Fp8Config<128>, true>{});
+    return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>>{})
+                           : run(GatedBackwardEpilogue<Act, 128, Fp8Config<128>>{});
   });
 }
