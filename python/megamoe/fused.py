@@ -137,10 +137,12 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
     check_activation(activation)
     check_fused_precision(precision)
-    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2,
-                                           main_grad13, main_grad2)
     if topk_ids.shape[0] == 0:
-        return dx.zero_(), dweights.zero_(), dw13.zero_(), dw2.zero_()
+        return tuple(g.zero_() for g in _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13,
+                                                     need_dw2, main_grad13, main_grad2))
+    # Each gradient is allocated when it is computed: the weight gradients, the largest tensors of the
+    # backward, only once z and the pool of dy have been freed, which lowers the backward's peak.
+    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, False, False, False, False, None, None)
     fp8_backward = precision in ("fp8", "fp8_bwd")
     plan = _plan(topk_ids, w13.shape[0], plan if plan.numel() else None)
     x_pool = x_pool if x_pool.numel() else None
@@ -167,6 +169,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     # returned one is then empty). dW2 first, so the pool of dy and hp are freed before dx needs its
     # per-route rows.
     if need_dw2:
+        if main_grad2 is None:
+            dw2 = torch.empty_like(w2)
         weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
     del dy_pool, hp
     if need_dx:
@@ -179,6 +183,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
         del routed
     if need_dw13:  # on the bf16 rows of x, dispatched here after an FP8 forward (it kept none)
+        if main_grad13 is None:
+            dw13 = torch.empty_like(w13)
         weight_grad(dz, dispatch(plan, x) if x_pool is None else x_pool, plan,
                     dw13 if main_grad13 is None else main_grad13)
     return dx, dweights, dw13, dw2
