@@ -170,7 +170,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     # per-route rows.
     if need_dw2:
         if main_grad2 is None:
-            dw2 = torch.empty_like(w2)
+            dw2 = w2.new_empty(w2.shape)
         weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
     del dy_pool, hp
     if need_dx:
@@ -184,7 +184,7 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
         del routed
     if need_dw13:  # on the bf16 rows of x, dispatched here after an FP8 forward (it kept none)
         if main_grad13 is None:
-            dw13 = torch.empty_like(w13)
+            dw13 = w13.new_empty(w13.shape)
         weight_grad(dz, dispatch(plan, x) if x_pool is None else x_pool, plan,
                     dw13 if main_grad13 is None else main_grad13)
     return dx, dweights, dw13, dw2
