@@ -121,7 +121,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
     return torch.empty_like(x), x_pool, z, plan
 
 
-@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("main_grad13", "main_grad2"))
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("z", "main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
                        precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
@@ -131,7 +131,8 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     activation, precision: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to
-    dispatch, recompute and rebuild them.
+    dispatch, recompute and rebuild them. dz is written over z, which the autograd backward copies
+    first when the graph is kept for another backward.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
     in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
@@ -232,6 +233,8 @@ def autograd_backward(ctx, dy, w13, w2, run) -> tuple:
 
 def _backward(ctx, dy, _dx_pool, _dz, _dplan):
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        z = z.clone()  # retain_graph: a later backward reads the kept z, which dz would overwrite
     return autograd_backward(ctx, dy, w13, w2, lambda needs, main_grads: fused_moe_backward(
         dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z, plan, *needs, *main_grads))
 

@@ -121,18 +121,19 @@ def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, ro
 
 
 def _backward_outputs(z: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dh epilogue's outputs for z [rows, 2I]: dz like z, hp [rows, I] bf16, dp partials
+    """The dh epilogue's outputs for z [rows, 2I]: dz written over z itself (the C API allows it, and
+    the backward then needs no second buffer of z's size), hp [rows, I] bf16, dp partials
     [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
     rows = z.shape[0]
-    return (z.new_empty(rows, 2 * inter), z.new_empty(rows, inter),
-            torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device))
+    return z, z.new_empty(rows, inter), torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device)
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
                    plan: RoutingPlan, activation: str = "swiglu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
-    the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩)."""
+    the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩).
+    dz is z, overwritten."""
     act = activation_id(activation)
     num_local, hidden, inter = w2.shape
     dz, hp, dp_partial = _backward_outputs(z, inter)
@@ -147,7 +148,8 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
                        z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu"
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows],
-    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]."""
+    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]. dz is z,
+    overwritten."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
     dz, hp, dp_partial = _backward_outputs(z, inter)

@@ -214,6 +214,15 @@ TEST_P(SwigluBackwardTest, MatchesHostReference) {
   EXPECT_TRUE(dz_dev.download() == dz && hp_dev.download() == hp) << "not deterministic";
   const std::vector<float> dpp2 = dpp_dev.download();
   EXPECT_EQ(std::memcmp(dpp2.data(), dpp.data(), dpp.size() * 4), 0) << "dp_partial not deterministic";
+
+  // In place, dz over z_pool as the layer runs it: the same bytes on the live blocks.
+  z_dev.upload(z);
+  megamoe_gated_backward_args in_place = args;
+  in_place.dz = z_dev.ptr;
+  ASSERT_EQ(megamoe_grouped_gemm_gated_backward_bf16(&d.plan, &in_place, nullptr), MEGAMOE_OK);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> dz_over_z = z_dev.download();
+  EXPECT_TRUE(std::equal(dz.begin(), dz.begin() + live_rows * 2 * inter, dz_over_z.begin())) << "dz over z differs";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SwigluBackwardTest, ::testing::ValuesIn(swiglu_backward_cases()),

@@ -177,6 +177,25 @@ def test_fused_gradients_are_bitwise_deterministic():
 
 
 @requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_backward_through_a_kept_graph_twice_gives_the_same_gradients(precision):
+    """dz is written over the kept z: with retain_graph the first backward works on a copy, so the
+    second still reads the forward's z."""
+    x, ids, weights, w13, w2 = megamoe.make_inputs(MoEShape(256, 128, 8, 2), 300, device="cuda")
+    leaves = [leaf(t) for t in (x, weights, w13, w2)]
+    y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused", precision=precision)
+    dy = torch.randn_like(x)
+    grads = []
+    for retain in (True, False):
+        y.backward(dy, retain_graph=retain)
+        grads.append([t.grad.clone() for t in leaves])
+        for t in leaves:
+            t.grad = None
+    for name, first, second in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        assert torch.equal(first, second), name
+
+
+@requires_cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("wanted", ["x", "topk_weights", "w13", "w2"])
 def test_fused_computes_only_the_gradients_asked_for(wanted, activation):

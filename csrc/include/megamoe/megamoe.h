@@ -378,7 +378,8 @@ int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan, const meg
 // hp [max_blocks * 128, intermediate] bf16; p_pool [max_blocks * 128] and
 // dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32. All 16-byte aligned;
 // intermediate and hidden multiples of 8 (of 128 in the FP8 version). Rows of blocks >= *num_blocks
-// are not touched.
+// are not touched. dz may be z_pool itself: each tile reads its rows and columns of z before it
+// writes the same ones of dz, and no other tile touches them.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_DP_PARTIAL_COLS(intermediate) (((intermediate) + 127) / 128)
 
