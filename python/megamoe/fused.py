@@ -4,7 +4,8 @@ Forward: routing plan (ids out of range are counted on the GPU and raise once th
 queued: validation.IdRangeCheck) → dispatch into the expert-major pool (exchange.py) → GEMM1 with
 the gated activation (megamoe.activation; the kernels: SwiGLU) in its epilogue → GEMM2 whose
 epilogue scatters each row into its (token, k) slot → fixed-order combine (exchange.py). The op has
-a fake implementation, so torch.compile traces it without graph breaks.
+a fake implementation, so torch.compile traces it without graph breaks; run eagerly, the same
+functions go under a torch.autograd.Function instead, which spares the host the op's dispatch.
 
 Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
 row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, pool order) as the forward kept
@@ -27,6 +28,8 @@ would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes)
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _native, fp8
 from .activation import check_activation
@@ -72,11 +75,9 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
     return routed, x_pool
 
 
-@torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
-def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, keep: bool,
-                      keep_pool: bool, keep_plan: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, activation: str, precision: str, keep: bool, keep_pool: bool, keep_plan: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation)
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
     output z [pool rows, 2I] bf16 for the backward, and with keep_pool as well, after a bf16 forward,
@@ -103,6 +104,15 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return y, x_pool, z, plan_buffer
 
 
+@torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
+def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, keep: bool,
+                      keep_pool: bool, keep_plan: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_forward as one op (what torch.compile sees)."""
+    return fused_forward(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool, keep_plan)
+
+
 @fused_moe_forward.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool, keep_plan):
     check_activation(activation)
@@ -121,21 +131,18 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
     return torch.empty_like(x), x_pool, z, plan
 
 
-@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("z", "main_grad13", "main_grad2"))
-def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
-                       precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
-                       need_dweights: bool, need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None,
-                       main_grad2: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, x_pool: torch.Tensor,
+                   z: torch.Tensor, plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool,
+                   need_dw2: bool, main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     activation, precision: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to
     dispatch, recompute and rebuild them. dz is written over z, which the autograd backward copies
     first when the graph is kept for another backward.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
-    added to in fp32 instead of being returned (it then comes back empty). Required arguments: torch's
-    in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
+    added to in fp32 instead of being returned (it then comes back empty)."""
     check_activation(activation)
     check_fused_precision(precision)
     if topk_ids.shape[0] == 0:
@@ -191,6 +198,19 @@ def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor
     return dx, dweights, dw13, dw2
 
 
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("z", "main_grad13", "main_grad2"))
+def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
+                       precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
+                       need_dweights: bool, need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None,
+                       main_grad2: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_backward as one op. main_grad13 / main_grad2 are required arguments: torch's in-place
+    bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
+    return fused_backward(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, need_dx,
+                          need_dweights, need_dw13, need_dw2, main_grad13, main_grad2)
+
+
 def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
     needs = (need_dx, need_dweights, need_dw13 and main_grad13 is None, need_dw2 and main_grad2 is None)
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((x, topk_weights, w13, w2), needs))
@@ -205,13 +225,18 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, 
                         main_grad2)
 
 
-def _setup_context(ctx, inputs, output):
+def _keep_for_backward(ctx, inputs, kept) -> None:
+    """What either autograd path of the fused layer keeps: the forward's inputs, options and (x_pool,
+    z, plan)."""
     x, topk_ids, topk_weights, w13, w2, activation, precision, _, _, _ = inputs
-    _, x_pool, z, plan = output
     ctx.activation, ctx.precision = activation, precision
-    ctx.mark_non_differentiable(x_pool, z, plan)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for what the backward reads
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, x_pool, z, plan)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, *kept)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    _keep_for_backward(ctx, inputs, output[1:])
 
 
 def autograd_backward(ctx, dy, w13, w2, run) -> tuple:
@@ -231,15 +256,45 @@ def autograd_backward(ctx, dy, w13, w2, run) -> tuple:
     return (dx, None, dweights, dw13, dw2) + rest
 
 
-def _backward(ctx, dy, _dx_pool, _dz, _dplan):
+def _run_backward(ctx, dy, backward) -> tuple:
+    """The autograd backward of either path: backward is fused_moe_backward or fused_backward."""
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
     if torch._C._autograd._get_current_graph_task_keep_graph():
         z = z.clone()  # retain_graph: a later backward reads the kept z, which dz would overwrite
-    return autograd_backward(ctx, dy, w13, w2, lambda needs, main_grads: fused_moe_backward(
+    return autograd_backward(ctx, dy, w13, w2, lambda needs, main_grads: backward(
         dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z, plan, *needs, *main_grads))
 
 
+def _backward(ctx, dy, _dx_pool, _dz, _dplan):
+    return _run_backward(ctx, dy, fused_moe_backward)
+
+
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFusedMoE(torch.autograd.Function):
+    """The fused layer run eagerly: fused_forward and fused_backward under autograd directly, without
+    the Python layers torch wraps around a torch.library op (its autograd wrapper, argument filling
+    and dispatch), which cost about a third of the host's time per call: the time that bounds the
+    layer at small batches (docs/PERFORMANCE.md)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        y, *kept = fused_forward(*inputs)
+        _keep_for_backward(ctx, inputs, kept)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _run_backward(ctx, dy, fused_backward)
+
+
+def _runs_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether the eager path may run: not while torch.compile traces, nor for tensor subclasses
+    (fake or meta tensors, functorch's wrappers) or under a dispatch mode, which all need the op."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped_tensor(t)
+                    for t in tensors))
 
 
 def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool | str, activation: str = "swiglu",
@@ -249,6 +304,8 @@ def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool | str
     neither (True)."""
     backward_will_run = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w13, w2))
-    return fused_moe_forward(x, topk_ids, topk_weights, w13, w2, activation, precision,
-                             backward_will_run and (not recompute or recompute == "gather"), not recompute,
-                             backward_will_run)[0]
+    inputs = (x, topk_ids, topk_weights, w13, w2, activation, precision,
+              backward_will_run and (not recompute or recompute == "gather"), not recompute, backward_will_run)
+    if not _runs_eagerly(x, topk_ids, topk_weights, w13, w2):
+        return fused_moe_forward(*inputs)[0]
+    return _EagerFusedMoE.apply(*inputs) if backward_will_run else fused_forward(*inputs)[0]

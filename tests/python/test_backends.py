@@ -196,6 +196,39 @@ def test_fused_backward_through_a_kept_graph_twice_gives_the_same_gradients(prec
 
 
 @requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("recompute", [False, "gather", True])
+def test_fused_eager_path_equals_the_op(precision, recompute, monkeypatch):
+    """Run eagerly, the layer goes through a torch.autograd.Function; traced, through the
+    torch.library ops. Both run the same functions: the same bits."""
+    import megamoe.fused
+
+    x, ids, weights, w13, w2 = megamoe.make_inputs(MoEShape(256, 128, 8, 2), 300, "skewed", device="cuda")
+    dy = torch.randn_like(x)
+    results = []
+    for eager in (True, False):
+        monkeypatch.setattr(megamoe.fused, "_runs_eagerly", lambda *tensors, eager=eager: eager)
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused", precision=precision,
+                        recompute=recompute)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, eager, op in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), *results):
+        assert torch.equal(eager, op), name
+
+
+def test_the_eager_path_is_not_taken_for_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megamoe.fused import _runs_eagerly
+
+    assert _runs_eagerly(torch.ones(2), torch.nn.Parameter(torch.ones(2)))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.ones(2))
+        assert not _runs_eagerly(fake, torch.ones(2))
+
+
+@requires_cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("wanted", ["x", "topk_weights", "w13", "w2"])
 def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
