@@ -24,7 +24,7 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
     """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes):
     each live pool row holds its route's token row; padding rows are zero. With weights [T, K],
     (pool, p [pool rows] fp32): also each live row's route weight, 0 on padding rows."""
-    pool = rows.new_empty(plan.slot_to_route.numel(), rows.shape[1])
+    pool = rows.new_empty(plan.pool_rows, rows.shape[1])
     weights_pool = None
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
@@ -39,7 +39,7 @@ def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, t
     """bf16 rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched in one
     pass: (e4m3 pool [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read);
     padding rows are 0 with scale 0."""
-    pool = torch.empty(plan.slot_to_route.numel(), rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
+    pool = torch.empty(plan.pool_rows, rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(rows.shape[1] // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
     _native.call("megamoe_dispatch_fp8", "FP8 dispatch", plan.native(),
                  _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1]),
@@ -56,7 +56,7 @@ def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:
 def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, H] = Σ_k weights[t, k] · routed[t K + k] over the plan's routed (t, k) (masked routes
     add nothing), routed [T K, H] in (token, k) order, summed in a fixed order."""
-    num_tokens, hidden = plan.route_to_slot.shape[0], routed.shape[1]
+    num_tokens, hidden = plan.shape.num_tokens, routed.shape[1]
     y = routed.new_empty(num_tokens, hidden)
     weights = weights.to(torch.float32).contiguous()
     _native.call("megamoe_combine_bf16", "combine", plan.native(),
@@ -78,7 +78,7 @@ def pull_rows(plan: RoutingPlan, rows_table, route_offsets, like: torch.Tensor, 
     """The pool of the owner whose `plan` (over every rank's routes) this is: its routes' rows from
     every rank's rows [T_r, H] (rows_table; route_offsets: a host int64 array of W + 1, each rank's
     first route), and with weights_table (every rank's fp32 [T_r, K]) each pool row's weight as well."""
-    pool = like.new_empty(plan.slot_to_route.numel(), like.shape[1])
+    pool = like.new_empty(plan.pool_rows, like.shape[1])
     weights_pool = None if weights_table is None else torch.empty(pool.shape[0], dtype=torch.float32,
                                                                   device=pool.device)
     args = _native.DispatchPeersArgs(ctypes.cast(rows_table, ctypes.c_void_p), ctypes.cast(route_offsets,

@@ -31,7 +31,7 @@ import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _native, fp8
+from . import fp8
 from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
@@ -47,13 +47,9 @@ def _plan(topk_ids: torch.Tensor, num_local: int, plan_buffer: torch.Tensor | No
     return RoutingPlan.from_buffer(plan_buffer, topk_ids.shape[0], topk_ids.shape[1], num_local)
 
 
-def _pool_rows(plan: RoutingPlan) -> int:
-    return plan.block_expert.numel() * _native.BLOCK_M
-
-
 def _routed(plan: RoutingPlan, x: torch.Tensor) -> torch.Tensor:
     """[T·K, H] bf16: one row per (token, k) route, written by the scatter GEMMs."""
-    return x.new_empty(plan.route_to_slot.numel(), x.shape[1], dtype=torch.bfloat16)
+    return x.new_empty(plan.num_routes, x.shape[1], dtype=torch.bfloat16)
 
 
 def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
@@ -92,7 +88,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     plan = _plan(topk_ids, w13.shape[0])
     id_range = IdRangeCheck(plan, w13.shape[0])
     if keep:
-        z = x.new_empty(_pool_rows(plan), w13.shape[1])
+        z = x.new_empty(plan.pool_rows, w13.shape[1])
     if keep_plan:
         plan_buffer = plan.buffer
     routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")

@@ -11,7 +11,7 @@ from .routing import RoutingPlan
 
 def _check_pool_operands(name: str, a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, dtype: torch.dtype) -> int:
     """The checks both pool GEMMs make of a [pool rows, K] and b [E_local, N, K]; returns the pool rows."""
-    rows = plan.block_expert.numel() * _native.BLOCK_M
+    rows = plan.pool_rows
     if a.dtype != dtype or b.dtype != dtype:
         raise TypeError(f"{name} takes {str(dtype).removeprefix('torch.')} operands, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or b.shape[2] != a.shape[1]:
@@ -164,7 +164,7 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
 def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """dp [T * K] fp32 for the plan's routes: each routed route's partials summed in a fixed order (0
     for routes without a slot in this plan)."""
-    dp = torch.empty(plan.route_to_slot.numel(), dtype=torch.float32, device=dp_partial.device)
+    dp = torch.empty(plan.num_routes, dtype=torch.float32, device=dp_partial.device)
     _native.call("megamoe_dp_reduce", "dp reduce", plan.native(),
                  _native.DpReduceArgs(dp_partial.data_ptr(), dp.data_ptr(), dp_partial.shape[1] * 128),
                  _native.stream(dp_partial.device))

@@ -7,7 +7,6 @@ the device of `topk_ids`.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import math
 
@@ -16,49 +15,75 @@ import torch
 from . import _native
 
 
-@dataclasses.dataclass
+class _PlanArray:
+    """One array of a RoutingPlan: a view of the plan's buffer, made when first read, then kept."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, plan, owner=None):
+        if plan is None:
+            return self
+        offset, size, shape = plan.layout[self.name]
+        view = plan.buffer[offset:offset + size].view(shape)
+        plan.__dict__[self.name] = view
+        return view
+
+
 class RoutingPlan:
-    expert_counts: torch.Tensor  # [E_local] int32
-    expert_offsets: torch.Tensor  # [E_local + 1] int32, multiples of 128
-    route_to_slot: torch.Tensor  # [T, K] int32, -1 for masked or non-local routes
-    slot_to_route: torch.Tensor  # [capacity] int32, -1 for padding rows
-    block_expert: torch.Tensor  # [max_blocks] int32, -1 past num_blocks
-    num_blocks: torch.Tensor  # [1] int32
-    num_invalid: torch.Tensor  # [1] int32: ids outside [-1, E), treated as masked
-    # Every field above is a view of this one int32 allocation: what the fused op keeps of the
-    # forward's plan for its backward.
-    buffer: torch.Tensor = dataclasses.field(repr=False, compare=False, default=None)
-    # What the plan is built for (megamoe_routing_plan.shape).
-    shape: _native.RoutingShape = dataclasses.field(repr=False, compare=False, default=None)
-    # native()'s struct without a workspace, made once: every kernel of a layer takes the same one.
-    _native_plan: _native.RoutingPlan | None = dataclasses.field(repr=False, compare=False, default=None,
-                                                                  init=False)
+    """A routing plan: its arrays in one int32 buffer (what the fused op keeps of the forward's plan
+    for the backward), and the shape it is built for (megamoe_routing_plan.shape). The C API's struct
+    takes the arrays' addresses in the buffer; as tensors they are views made when first read."""
+
+    expert_counts = _PlanArray()  # [E_local] int32
+    expert_offsets = _PlanArray()  # [E_local + 1] int32, multiples of 128
+    route_to_slot = _PlanArray()  # [T, K] int32, -1 for masked or non-local routes
+    slot_to_route = _PlanArray()  # [capacity] int32, -1 for padding rows
+    block_expert = _PlanArray()  # [max_blocks] int32, -1 past num_blocks
+    num_blocks = _PlanArray()  # [1] int32
+    num_invalid = _PlanArray()  # [1] int32: ids outside [-1, E), treated as masked
+
+    def __init__(self, buffer: torch.Tensor, shape: _native.RoutingShape, layout: dict):
+        self.buffer, self.shape, self.layout = buffer, shape, layout
+        self._native_plan = None  # native()'s struct without a workspace: every kernel of a layer takes it
 
     @classmethod
     def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int,
                     num_experts: int | None = None, expert_begin: int = 0) -> RoutingPlan:
         """The plan whose fields `buffer` holds (as build_routing laid them out), for the experts
         [expert_begin, expert_begin + num_local_experts) of num_experts (default: all are local)."""
-        sizes, shapes = _buffer_layout(num_tokens, top_k, num_local_experts)
-        views = [part.view(shape) for part, shape in zip(buffer[:sum(sizes)].split(sizes), shapes)]
         shape = _native.RoutingShape(num_tokens, top_k, num_local_experts if num_experts is None else num_experts,
                                      expert_begin, num_local_experts)
-        return cls(**dict(zip(PLAN_FIELDS, views)), buffer=buffer, shape=shape)
+        return cls(buffer, shape, _buffer_layout(num_tokens, top_k, num_local_experts))
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows of the plan's pool (its capacity): max_blocks * 128."""
+        return self.layout["slot_to_route"][1]
+
+    @property
+    def num_routes(self) -> int:
+        """T * K: the (token, k) routes the plan maps."""
+        return self.layout["route_to_slot"][1]
 
     def native(self, workspace: torch.Tensor | None = None) -> _native.RoutingPlan:
         """The megamoe_routing_plan the C API takes: this plan's arrays and shape."""
         if workspace is None and self._native_plan is not None:
             return self._native_plan
-        plan = _native.RoutingPlan(*(getattr(self, name).data_ptr() for name in PLAN_FIELDS),
+        base = self.buffer.data_ptr()
+        plan = _native.RoutingPlan(*(base + 4 * self.layout[name][0] for name in PLAN_FIELDS),
                                    _native.address(workspace), self.shape)
         if workspace is None:
             self._native_plan = plan
         return plan
 
+    def __repr__(self) -> str:
+        return f"RoutingPlan({', '.join(f'{name}={getattr(self, name)}' for name in PLAN_FIELDS)})"
 
-# The plan's arrays, in the order of megamoe_routing_plan's pointers (the dataclass order).
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingPlan)
-                    if f.name not in ("buffer", "shape", "_native_plan"))
+
+# The plan's arrays, in the order of megamoe_routing_plan's pointers.
+PLAN_FIELDS = ("expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
+               "num_invalid")
 
 
 def pool_capacity(num_routes, num_local_experts: int):
@@ -76,11 +101,15 @@ def _field_shapes(num_tokens, top_k: int, num_local_experts: int) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _buffer_layout(num_tokens: int, top_k: int, num_local_experts: int) -> tuple[tuple[int, ...], tuple]:
-    """(each field's int32 count, each field's shape), in PLAN_FIELDS order: one computation per shape."""
+def _buffer_layout(num_tokens: int, top_k: int, num_local_experts: int) -> dict:
+    """{field: (offset, int32 count, shape)} in PLAN_FIELDS order: one computation per shape."""
     fields = _field_shapes(num_tokens, top_k, num_local_experts)
-    shapes = tuple(fields[name] for name in PLAN_FIELDS)
-    return tuple(math.prod(shape) for shape in shapes), shapes
+    layout, offset = {}, 0
+    for name in PLAN_FIELDS:
+        size = math.prod(fields[name])
+        layout[name] = (offset, size, fields[name])
+        offset += size
+    return layout
 
 
 def plan_buffer_size(num_tokens, top_k: int, num_local_experts: int):

@@ -39,7 +39,7 @@ def bench_one(preset: str, tokens: int, routing: str, device: Device, budget: Bu
     g = torch.Generator().manual_seed(0)
     ids, _ = make_routing(tokens, shape.num_experts, shape.top_k, routing, generator=g)
     plan = build_routing(ids.cuda(), shape.num_experts)
-    rows = plan.slot_to_route.numel()
+    rows = plan.pool_rows
     routes = int((ids >= 0).sum())
     group_ends = plan.expert_offsets[1:]
     live_rows = int(plan.expert_offsets[-1])
