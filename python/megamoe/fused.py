@@ -134,7 +134,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
-    activation, precision: the forward's. x_pool, z, plan: what fused_moe_forward kept, or empty to
+    activation, precision: the forward's. x_pool, z, plan: what fused_forward kept, or empty to
     dispatch, recompute and rebuild them. dz is written over z, which the autograd backward copies
     first when the graph is kept for another backward.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
@@ -144,8 +144,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     if topk_ids.shape[0] == 0:
         return tuple(g.zero_() for g in _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13,
                                                      need_dw2, main_grad13, main_grad2))
-    # Each gradient is allocated when it is computed: the weight gradients, the largest tensors of the
-    # backward, only once z and the pool of dy have been freed, which lowers the backward's peak.
+    # Each gradient is allocated when it is computed, so the weight gradients (the backward's largest
+    # tensors) are not live beside the pool of dy and hp while dh runs: a lower peak.
     dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, False, False, False, False, None, None)
     fp8_backward = precision in ("fp8", "fp8_bwd")
     plan = _plan(topk_ids, w13.shape[0], plan if plan.numel() else None)
