@@ -181,7 +181,7 @@ def test_fused_gradients_are_bitwise_deterministic():
 def test_fused_backward_through_a_kept_graph_twice_gives_the_same_gradients(precision):
     """dz is written over the kept z: with retain_graph the first backward works on a copy, so the
     second still reads the forward's z."""
-    x, ids, weights, w13, w2 = megamoe.make_inputs(MoEShape(256, 128, 8, 2), 300, device="cuda")
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 300, device="cuda")
     leaves = [leaf(t) for t in (x, weights, w13, w2)]
     y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused", precision=precision)
     dy = torch.randn_like(x)
@@ -203,7 +203,7 @@ def test_fused_eager_path_equals_the_op(precision, recompute, monkeypatch):
     torch.library ops. Both run the same functions: the same bits."""
     import megamoe.fused
 
-    x, ids, weights, w13, w2 = megamoe.make_inputs(MoEShape(256, 128, 8, 2), 300, "skewed", device="cuda")
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 300, "skewed", device="cuda")
     dy = torch.randn_like(x)
     results = []
     for eager in (True, False):

@@ -10,8 +10,6 @@
 // l % 4 == 0 writes its two rows' scales to h_scales [I / 128, pool rows].
 #pragma once
 
-#include <cuda_fp8.h>
-
 #include "kernels/fp8/e4m3.cuh"
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
