@@ -21,13 +21,19 @@ TEST(QuantizeValidation, RowsRejectBadArguments) {
   a.k = 100;
   expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "k a positive multiple of 128, got rows 256, k 100");
   a = good_blocks();
-  a.a = check_buf + 2;
-  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "the bf16 rows must be 8-byte");
+  a.a = check_buf + 8;
+  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "the bf16 rows must be 16-byte and the e4m3 rows 8-byte");
+  a = good_blocks();
+  a.q = check_buf + 4;
+  expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "the e4m3 rows 8-byte aligned");
   a = good_blocks();
   a.scales_ld = 2;
   expect_rejected(megamoe_quantize_rows_fp8(&a, nullptr), "scales_ld must be 0 (k-block major) or at least k / 128");
   megamoe_dequantize_fp8_args d{check_buf, reinterpret_cast<const float*>(check_buf), check_buf, 4, 0};
   expect_rejected(megamoe_dequantize_rows_fp8(&d, nullptr), "k a positive multiple of 128");
+  d.k = 128;
+  d.a = check_buf + 2;
+  expect_rejected(megamoe_dequantize_rows_fp8(&d, nullptr), "the bf16 rows must be 8-byte");
 }
 
 TEST(QuantizeValidation, BlocksRejectBadArguments) {

@@ -228,14 +228,15 @@ int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gem
 // scale = amax / 448 (1 for an all-zero block, NaN for a block holding a NaN), q = a / scale in
 // e4m3 (nearest even, saturating). scales: k-block major [k / 128, rows] (scales_ld = 0: the layout
 // the FP8 GEMMs read) or row major [rows, scales_ld] (scales_ld >= k / 128; columns past k / 128
-// untouched). Dequantisation: a = q · scale rounded to bf16, scales k-block major.
+// untouched); a 16-byte and q 8-byte aligned. Dequantisation: a = q · scale rounded to bf16, scales
+// k-block major; a 8-byte and q 4-byte aligned.
 // megamoe_quantize_blocks_fp8: the weights' recipe on the same arguments, one scale per 128 x 128
 // block: rows a multiple of 128 (E·N for weights [E, N, K]), scales [rows / 128, k / 128] row major
 // (scales_ld 0), a 16-byte and q 8-byte aligned.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
-  const void* a;      // [rows, k] bf16, 8-byte aligned
-  void* q;            // [rows, k] e4m3, 4-byte aligned
+  const void* a;      // [rows, k] bf16
+  void* q;            // [rows, k] e4m3
   float* scales;
   int64_t rows;
   int32_t k;          // a multiple of 128

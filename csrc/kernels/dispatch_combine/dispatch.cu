@@ -5,13 +5,13 @@
 // streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
 // rows past the live blocks are not touched. With weights, each route's weight goes to its slot
 // of weights_pool the same way (0 on padding rows): the backward's per-row p.
-// The FP8 dispatch quantises each token row once on the way (kernels/fp8/e4m3.cuh, 1 x 128 blocks):
-// 32 lanes hold two blocks' 16-byte chunks, 16 lanes each, and the 16 share their amax by shuffles;
-// the slots get e4m3 rows and the scales go straight to the k-block-major layout the FP8 GEMMs read.
+// The FP8 dispatch quantises each token row once on the way (kernels/fp8/quantize_row.cuh, 1 x 128
+// blocks); the slots get e4m3 rows and the scales go straight to the k-block-major layout the FP8
+// GEMMs read.
 #include <algorithm>
 
 #include "kernels/dispatch_combine/warp_rows.cuh"
-#include "kernels/fp8/e4m3.cuh"
+#include "kernels/fp8/quantize_row.cuh"
 
 namespace megamoe {
 namespace {
@@ -87,13 +87,8 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
   });
 }
 
-// Chunks of a row quantised per pass: 8 per lane, i.e. 8 pairs of 128-column blocks (2048 columns).
-constexpr int kFp8ChunksPerLane = 8;
-
-// x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]. Lane l holds
-// chunk 32 i + l of each pass's i-th 256 columns: block 2 i + l / 16 of the pass. A row of an odd
-// number of blocks ends with a half group: its lanes 16-31 hold no block and take part only in the
-// shuffles.
+// x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]: each token row
+// quantised once (quantize_row.cuh), then stored to its K slots.
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float* __restrict__ pool_scales,
                   const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
@@ -102,42 +97,18 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
   const int64_t first_warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  const unsigned group = lane < 16 ? 0x0000ffffu : 0xffff0000u;  // the 16 lanes of this lane's block
   for (int64_t t = first_warp; t < num_tokens; t += warps) {
-    for (int pass = 0; pass < vecs_per_row; pass += 32 * kFp8ChunksPerLane) {
-      uint2 q[kFp8ChunksPerLane];
-      float scale[kFp8ChunksPerLane];
-#pragma unroll
-      for (int i = 0; i < kFp8ChunksPerLane; ++i) {
-        const int c = pass + 32 * i + lane;
-        if (pass + 32 * i >= vecs_per_row) break;  // vecs_per_row is a multiple of 16: whole blocks
-        const Bf16x8 v = c < vecs_per_row ? load_readonly(x + t * vecs_per_row + c) : Bf16x8{};
-        float f[kBf16PerVec];
-        float amax = 0.f;
-        bool nan = false;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 pair = __bfloat1622float2(v.pairs[j]);
-          f[2 * j] = pair.x;
-          f[2 * j + 1] = pair.y;
-          amax = fmaxf(amax, fmaxf(fabsf(pair.x), fabsf(pair.y)));
-          nan |= pair.x != pair.x || pair.y != pair.y;
-        }
-#pragma unroll
-        for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
-        scale[i] = fp8::block_scale(amax, (__ballot_sync(~0u, nan) & group) != 0);
-        q[i] = make_uint2(fp8::to_e4m3x4(f[0], f[1], f[2], f[3], scale[i]),
-                          fp8::to_e4m3x4(f[4], f[5], f[6], f[7], scale[i]));
-      }
+    for (int pass = 0; pass < vecs_per_row; pass += 32 * fp8::kRowChunksPerLane) {
+      const fp8::RowPass quantised = fp8::quantize_row_pass(x + t * vecs_per_row, vecs_per_row, pass);
       for (int k = 0; k < top_k; ++k) {
         const int64_t slot = route_to_slot[t * top_k + k];
         if (slot < 0) continue;  // masked or another rank's expert
 #pragma unroll
-        for (int i = 0; i < kFp8ChunksPerLane; ++i) {
+        for (int i = 0; i < fp8::kRowChunksPerLane; ++i) {
           const int c = pass + 32 * i + lane;
           if (c >= vecs_per_row) break;
-          pool[slot * vecs_per_row + c] = q[i];
-          if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = scale[i];
+          pool[slot * vecs_per_row + c] = quantised.q[i];
+          if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = quantised.scale[i];
         }
       }
     }

@@ -1,6 +1,7 @@
 // Block-FP8 quantisation of activation rows (DeepSeek-V3 recipe, as megamoe.fp8.quantize_rows): one
 // scale per row and 128 columns, rounded as e4m3.cuh says.
-// One warp per (row, 128-column block), 4 columns per lane: one 8-byte load, one 4-byte store.
+// One warp per row (quantize_row.cuh): 16-byte loads, all of a pass in flight at once, 8-byte stores.
+// Dequantisation: one warp per (row, 128-column block), 4 columns per lane.
 // The weights' 128 x 128 recipe (as megamoe.fp8.quantize_blocks): one CTA per block, 64 values per
 // thread in registers, so the block is read once.
 #include <cuda_fp8.h>
@@ -10,7 +11,8 @@
 #include <string>
 
 #include "common/status.h"
-#include "kernels/fp8/e4m3.cuh"
+#include "common/vec16.cuh"
+#include "kernels/fp8/quantize_row.cuh"
 
 namespace megamoe {
 namespace {
@@ -23,29 +25,24 @@ struct Bf16x4 {
 };
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
-quantize_rows(const Bf16x4* __restrict__ a, uint32_t* __restrict__ q, float* __restrict__ scales, int64_t rows,
-              int32_t blocks, int32_t scales_ld) {
+quantize_rows(const Bf16x8* __restrict__ a, uint2* __restrict__ q, float* __restrict__ scales, int64_t rows,
+              int32_t vecs_per_row, int32_t scales_ld) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
-  for (int64_t w = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; w < rows * blocks; w += warps) {
-    const int64_t row = w / blocks;
-    const int block = int(w % blocks);
-    const int64_t i = w * 32 + lane;  // 4-element group of the row-major matrix
-    const Bf16x4 v = a[i];
-    const float2 lo = __bfloat1622float2(v.lo), hi = __bfloat1622float2(v.hi);
-    const float x[4] = {lo.x, lo.y, hi.x, hi.y};
-    float amax = 0.f;
-    bool nan = false;
+  for (int64_t row = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32; row < rows; row += warps) {
+    for (int pass = 0; pass < vecs_per_row; pass += 32 * fp8::kRowChunksPerLane) {
+      const fp8::RowPass quantised = fp8::quantize_row_pass(a + row * vecs_per_row, vecs_per_row, pass);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      amax = fmaxf(amax, fabsf(x[j]));
-      nan |= x[j] != x[j];
+      for (int i = 0; i < fp8::kRowChunksPerLane; ++i) {
+        const int c = pass + 32 * i + lane;
+        if (c >= vecs_per_row) break;
+        q[row * vecs_per_row + c] = quantised.q[i];
+        if (lane % 16 == 0) {
+          const int block = c / 16;
+          scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = quantised.scale[i];
+        }
+      }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = fp8::block_scale(amax, __any_sync(0xffffffffu, nan));
-    q[i] = fp8::to_e4m3x4(x[0], x[1], x[2], x[3], scale);
-    if (lane == 0) scales[scales_ld > 0 ? row * scales_ld + block : int64_t(block) * rows + row] = scale;
   }
 }
 
@@ -118,21 +115,23 @@ dequantize_rows(const uint32_t* __restrict__ q, const float* __restrict__ scales
   }
 }
 
-int row_blocks(const std::string& fn, const void* a, const void* q, const float* scales, int64_t rows, int32_t k,
-               int* grid) {
+// Checks the row kernels' arguments (a: bf16 rows, q: e4m3 rows, each aligned as its kernel loads and
+// stores it) and sizes the grid for `warps` warps, at most 16 CTAs per SM (the warps then stride).
+int row_grid(const std::string& fn, const void* a, int a_alignment, const void* q, int q_alignment,
+             const float* scales, int64_t rows, int32_t k, int64_t warps, int* grid) {
   if (a == nullptr || q == nullptr || scales == nullptr) return invalid_argument(fn + "null pointer");
   if (rows < 0 || k <= 0 || k % kBlock != 0) {
     return invalid_argument(fn + "need rows >= 0 and k a positive multiple of 128, got rows " + std::to_string(rows) +
                             ", k " + std::to_string(k));
   }
-  if (reinterpret_cast<uintptr_t>(a) % 8 || reinterpret_cast<uintptr_t>(q) % 4) {
-    return invalid_argument(fn + "the bf16 rows must be 8-byte and the e4m3 rows 4-byte aligned");
+  if (reinterpret_cast<uintptr_t>(a) % a_alignment || reinterpret_cast<uintptr_t>(q) % q_alignment) {
+    return invalid_argument(fn + "the bf16 rows must be " + std::to_string(a_alignment) + "-byte and the e4m3 rows " +
+                            std::to_string(q_alignment) + "-byte aligned");
   }
   int device = 0, sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  *grid = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * 16, (rows * (k / kBlock) + kWarpsPerCta - 1) /
-                                                                             kWarpsPerCta)));
+  *grid = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * 16, (warps + kWarpsPerCta - 1) / kWarpsPerCta)));
   return MEGAMOE_OK;
 }
 
@@ -150,9 +149,9 @@ extern "C" int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, 
   }
   if (a.rows == 0) return MEGAMOE_OK;
   int grid = 0;
-  MEGAMOE_RETURN_IF_ERROR(row_blocks(fn, a.a, a.q, a.scales, a.rows, a.k, &grid));
+  MEGAMOE_RETURN_IF_ERROR(row_grid(fn, a.a, 16, a.q, 8, a.scales, a.rows, a.k, a.rows, &grid));
   quantize_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const Bf16x4*>(a.a), static_cast<uint32_t*>(a.q), a.scales, a.rows, a.k / kBlock, a.scales_ld);
+      static_cast<const Bf16x8*>(a.a), static_cast<uint2*>(a.q), a.scales, a.rows, a.k / kBf16PerVec, a.scales_ld);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
@@ -164,7 +163,7 @@ extern "C" int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* ar
   const megamoe_dequantize_fp8_args& a = *args;
   if (a.rows == 0) return MEGAMOE_OK;
   int grid = 0;
-  MEGAMOE_RETURN_IF_ERROR(row_blocks(fn, a.a, a.q, a.scales, a.rows, a.k, &grid));
+  MEGAMOE_RETURN_IF_ERROR(row_grid(fn, a.a, 8, a.q, 4, a.scales, a.rows, a.k, a.rows * (a.k / kBlock), &grid));
   dequantize_rows<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint32_t*>(a.q), a.scales, static_cast<Bf16x4*>(a.a), a.rows, a.k / kBlock);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
