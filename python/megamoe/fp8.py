@@ -40,7 +40,7 @@ def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Ten
     if k % BLOCK:
         raise ValueError(f"K must be a multiple of {BLOCK} for 1x{BLOCK} scales, got {k}")
     padded = token_scale_columns(k)
-    if _on_core(a):
+    if _on_core(a) and a.data_ptr() % 16 == 0:
         q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=a.device)
         scales = torch.empty((rows, padded) if token_major else (k // BLOCK, rows), dtype=torch.float32,
                              device=a.device)
