@@ -1,8 +1,9 @@
 """Block-FP8 quantisation of the DeepSeek-V3 recipe: e4m3 values with one fp32 scale per row and 128 K
 values (activations) or per 128 x 128 block (weights), scale = amax / 448 so the block's largest
 magnitude maps to e4m3's largest finite value (a block holding a NaN gets a NaN scale: it stays
-non-finite). Contiguous bf16 tensors on a GPU go through the core's kernels (megamoe_quantize_rows_fp8,
-megamoe_quantize_blocks_fp8), any other tensor through torch ops with the same results."""
+non-finite), q = value · (1 / scale) rounded to e4m3. Contiguous bf16 tensors on a GPU go through the
+core's kernels (megamoe_quantize_rows_fp8, megamoe_quantize_blocks_fp8), any other tensor through torch
+ops with the same results."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Ten
         return q, scales
     blocks = a.float().view(rows, k // BLOCK, BLOCK)
     scales = _scales(blocks.abs().amax(dim=2))
-    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(rows, k)
+    q = (blocks * (1 / scales).unsqueeze(2)).to(torch.float8_e4m3fn).view(rows, k)
     if token_major:
         return q, torch.nn.functional.pad(scales, (0, padded - k // BLOCK))
     return q, scales.t().contiguous()
@@ -70,7 +71,7 @@ def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scales
     blocks = b.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scales = _scales(blocks.abs().amax(dim=(2, 4)))
-    q = (blocks / scales[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
+    q = (blocks * (1 / scales)[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
     return q, scales.contiguous()
 
 

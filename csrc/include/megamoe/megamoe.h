@@ -225,7 +225,7 @@ int megamoe_grouped_gemm_fp8(const megamoe_routing_plan* plan, const megamoe_gem
 
 // ---------------------------------------------------------------------------------------------
 // Block-FP8 quantisation of bf16 rows (the activations' 1 x 128 recipe): per row and 128 columns,
-// scale = amax / 448 (1 for an all-zero block, NaN for a block holding a NaN), q = a / scale in
+// scale = amax / 448 (1 for an all-zero block, NaN for a block holding a NaN), q = a · (1 / scale) in
 // e4m3 (nearest even, saturating). scales: k-block major [k / 128, rows] (scales_ld = 0: the layout
 // the FP8 GEMMs read) or row major [rows, scales_ld] (scales_ld >= k / 128; columns past k / 128
 // untouched); a 16-byte and q 8-byte aligned. Dequantisation: a = q · scale rounded to bf16, scales

@@ -86,6 +86,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
 #pragma unroll
   for (int w = 0; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
   const float scale = fp8::block_scale(amax, any_nan);
+  const float inverse = fp8::inverse(scale);
   if (threadIdx.x == 0) scales[block] = scale;
 #pragma unroll
   for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
@@ -93,7 +94,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* v = x[i] + 4 * half;
-      packed[half] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], scale);
+      packed[half] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
     }
     q[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = make_uint2(packed[0], packed[1]);
   }

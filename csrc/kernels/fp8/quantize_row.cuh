@@ -49,8 +49,8 @@ __device__ __forceinline__ RowPass quantize_row_pass(const Bf16x8* __restrict__ 
 #pragma unroll
     for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
     out.scale[i] = block_scale(amax, (__ballot_sync(~0u, nan) & group) != 0);
-    out.q[i] = make_uint2(to_e4m3x4(f[0], f[1], f[2], f[3], out.scale[i]),
-                          to_e4m3x4(f[4], f[5], f[6], f[7], out.scale[i]));
+    const float inv = inverse(out.scale[i]);
+    out.q[i] = make_uint2(to_e4m3x4(f[0], f[1], f[2], f[3], inv), to_e4m3x4(f[4], f[5], f[6], f[7], inv));
   }
   return out;
 }
