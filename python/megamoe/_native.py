@@ -87,7 +87,7 @@ GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("
                             ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
-                         ("m", _i32), ("n", _i32), ("output", _i32))
+                         ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
            GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs,

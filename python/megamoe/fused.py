@@ -23,6 +23,11 @@ by a pass of its own.
 The weight gradients stay bf16 GEMMs on the bf16 rows of x, dy, p·h and dz. Kept for the backward in
 "fp8": z (bf16) and the plan; the backward dispatches x again, in bf16, for dW13 (x's e4m3 pool
 would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes).
+
+Memory: dz is written over z, and the gradients are allocated just before their GEMMs. Where the
+pool of x was not kept (recompute="gather", "fp8"), dW13 is made in two column halves of H, each from
+a pool of x that half wide, so the backward's peak (dW13, with dz and the other gradients live) holds
+half of that pool.
 """
 
 from __future__ import annotations
@@ -186,12 +191,24 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
         del routed
-    if need_dw13:  # on the bf16 rows of x, dispatched here after an FP8 forward (it kept none)
+    if need_dw13:
         if main_grad13 is None:
             dw13 = w13.new_empty(w13.shape)
-        weight_grad(dz, dispatch(plan, x) if x_pool is None else x_pool, plan,
-                    dw13 if main_grad13 is None else main_grad13)
+        out = dw13 if main_grad13 is None else main_grad13
+        if x_pool is not None:
+            weight_grad(dz, x_pool, plan, out)
+        else:  # not kept (recompute="gather", FP8): dispatched again, half of H's columns at a time
+            for cols in _column_halves(x.shape[1]):
+                weight_grad(dz, dispatch(plan, x[:, cols].contiguous()), plan, out[:, :, cols])
     return dx, dweights, dw13, dw2
+
+
+def _column_halves(hidden: int) -> list[slice]:
+    """The column slices dW13 is made in when the pool of x is dispatched for it: two, the first a whole
+    number of 256-wide tiles, so the pool live beside dz and the gradients is half of T·K·H (the
+    backward's peak) and the weight-gradient GEMMs run the same tiles as on all columns."""
+    split = -(-hidden // 512) * 256
+    return [slice(0, hidden)] if split >= hidden else [slice(0, split), slice(split, hidden)]
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("z", "main_grad13", "main_grad2"))

@@ -173,8 +173,12 @@ def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor) -> None:
     """out[e] = a[rows of e]ᵀ · b[rows of e] for every local expert; out [E_local, M, N] bf16 is
-    written, fp32 is added to (a main_grad)."""
+    written, fp32 is added to (a main_grad). out may be a slice of columns of a wider gradient
+    (out.stride(1) elements between rows)."""
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
+    experts, m, n = out.shape
+    if out.stride(2) != 1 or out.stride(0) != m * out.stride(1):
+        raise ValueError(f"out must be [E, M, N] with rows of unit stride, planes back to back; strides {out.stride()}")
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
-                 _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.shape[1], out.shape[2],
-                                        output), _native.stream(a.device))
+                 _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1)),
+                 _native.stream(a.device))

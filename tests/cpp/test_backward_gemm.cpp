@@ -436,6 +436,39 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> again = out32.download();
   EXPECT_EQ(std::memcmp(again.data(), o32.data(), o32.size() * 4), 0) << "not deterministic";
+
+  // Into columns [8, 8 + n) of a wider gradient (out_ld = n + 72): the same bits there as above, the
+  // other columns untouched.
+  const int ld = n + 72, col = 8;
+  const int64_t wide_count = int64_t(experts) * m * ld;
+  DeviceBuffer<uint16_t> wide16(wide_count);
+  DeviceBuffer<float> wide32(wide_count);
+  ASSERT_EQ(cudaMemset(wide16.ptr, 0x7F, wide_count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(wide32.ptr, 0x7F, wide_count * 4), cudaSuccess);
+  for (auto [out, output] : {std::pair<void*, int32_t>{wide16.ptr + col, MEGAMOE_GRAD_BF16},
+                             std::pair<void*, int32_t>{wide32.ptr + col, MEGAMOE_GRAD_FP32}}) {
+    const megamoe_weight_grad_args args{a_dev.ptr, b_dev.ptr, out, m, n, output, ld};
+    ASSERT_EQ(megamoe_grouped_weight_grad_bf16(&d.plan, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> w16 = wide16.download();
+  const std::vector<float> w32 = wide32.download();
+  int64_t differ = 0, touched = 0;
+  for (int64_t r = 0; r < int64_t(experts) * m; ++r) {
+    for (int j = 0; j < ld; ++j) {
+      const int64_t x = r * ld + j;
+      uint32_t bits32;
+      std::memcpy(&bits32, &w32[x], 4);
+      if (j < col || j >= col + n) {
+        touched += w16[x] != 0x7F7F || bits32 != 0x7F7F7F7Fu;
+      } else {
+        const int64_t y = r * n + (j - col);
+        differ += w16[x] != o16[y] || std::memcmp(&w32[x], &o32[y], 4) != 0;
+      }
+    }
+  }
+  EXPECT_EQ(differ, 0) << "columns of a wider gradient differ from the gradient alone";
+  EXPECT_EQ(touched, 0) << "columns outside [col, col + n) were written";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WeightGradTest, ::testing::ValuesIn(weight_grad_cases()),
@@ -485,6 +518,10 @@ TEST(WeightGradValidation, RejectsBadArguments) {
            "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got 3"},
           {[](auto&, auto& a) { a.output = -1; },
            "output must be MEGAMOE_GRAD_BF16, MEGAMOE_GRAD_FP32 or MEGAMOE_GRAD_FP32_ADD, got -1"},
+          {[](auto&, auto& a) { a.out_ld = 248; },
+           "out_ld must be 0 (n) or a multiple of 8 no smaller than n = 256, got 248"},
+          {[](auto&, auto& a) { a.out_ld = 260; },
+           "out_ld must be 0 (n) or a multiple of 8 no smaller than n = 256, got 260"},
           {[](auto&, auto& a) { a.a_pool = check_buf + 2; }, "a_pool must be 16-byte aligned"},
           {[](auto&, auto& a) { a.out = check_buf + 8; }, "out must be 16-byte aligned"},
       });

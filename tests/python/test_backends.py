@@ -248,11 +248,14 @@ def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
 
 
 @requires_cuda
+@pytest.mark.parametrize("shape", [SMALL, MoEShape(hidden_size=640, intermediate_size=128, num_experts=8, top_k=2)],
+                         ids=["h256", "h640"])
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
-def test_fused_recompute_gives_the_kept_activations_gradients(case):
-    """recompute="gather" gathers the same pool of x again: the same bits; recompute=True recomputes
-    z with the plain GEMM: within its rounding."""
-    x, ids, weights, w13, w2 = edge_case_inputs(case, SMALL, "cuda")
+def test_fused_recompute_gives_the_kept_activations_gradients(case, shape):
+    """recompute="gather" gathers the same pool of x again (at H = 640 in two column halves for dW13,
+    512 and 128 wide): the same bits; recompute=True recomputes z with the plain GEMM: within its
+    rounding."""
+    x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
     dy = torch.randn_like(x)
     grads = {}
     for recompute in (False, "gather", True):

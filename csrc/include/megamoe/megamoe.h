@@ -442,7 +442,10 @@ int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_
 // n = I) has w2's layout, dw13 = (a = dz, b = x_pool; m = 2I, n = H) has w13's. Padding rows inside
 // the last 64-row k-block must be zero in a or b and finite in both (dispatch and the dh epilogue
 // write zeros there); the padding past it is never read. An expert with no rows gets zeros
-// (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 8; 16-byte aligned.
+// (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 8; 16-byte aligned. out_ld: elements
+// between rows of out, 0 for n; a larger one (a multiple of 8) writes columns [c, c + n) of a wider
+// gradient [E_local, m, out_ld] whose column c out points at, e.g. dw13 in column slices of H, each
+// from a pool of x's same columns (a pool of x a slice wide, not H).
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_GRAD_BF16 0      // out is bf16, overwritten
 #define MEGAMOE_GRAD_FP32 1      // out is fp32, overwritten
@@ -455,6 +458,7 @@ typedef struct {
   int32_t m;
   int32_t n;
   int32_t output;  // MEGAMOE_GRAD_*
+  int32_t out_ld;  // 0: n
 } megamoe_weight_grad_args;
 
 int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan, const megamoe_weight_grad_args* args,

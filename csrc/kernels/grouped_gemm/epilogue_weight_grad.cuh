@@ -1,5 +1,6 @@
 // Weight-gradient epilogue (K-grouped GEMM, scheduler_expert.cuh): the 128 x BLOCK_N tile (m-tile,
-// n-tile) of out[e] = A[rows of e]ᵀ · B[rows of e], out [E_local, M, N] row-major.
+// n-tile) of out[e] = A[rows of e]ᵀ · B[rows of e], out [E_local, M, N] row-major with ld elements
+// between rows (N, or more for N columns of a wider gradient).
 //   bf16: one rounding, swizzled chunk + TMA store (epilogue.cuh), through a map of out as E planes
 //         of [M, N] (so a tile past M or N stops at the expert's edge), deferred to the next tile's
 //         first wgmma batch.
@@ -21,17 +22,19 @@ struct WeightGradEpilogue {
   using Cfg = Config<BlockN, 1, Major::MN, Major::MN>;
   struct Params {
     CUtensorMap c;  // bf16: out as E planes [M, N], 16-row x 64-column boxes (unused for fp32)
-    float* out;     // fp32: [E, M, N]
+    float* out;     // fp32: [E, M, ld]
     int m, n;
+    int64_t ld;
     int accumulate;  // fp32 only: out += tile
   };
   struct Arguments {
-    void* out;       // [E_local, m, n], bf16 or fp32
+    void* out;       // [E_local, m, ld], bf16 or fp32
+    int64_t ld;      // >= n
     int accumulate;  // fp32 only: out += the gradient
   };
   struct Rows {};
 
-  // fn prefixes the messages; out [E_local, m, n].
+  // fn prefixes the messages; out [E_local, m, ld].
   static int can_implement(const std::string& fn, const Arguments& args) {
     if (args.accumulate && !Fp32) {
       return invalid_argument(fn + "accumulation into a bf16 gradient is not supported (use MEGAMOE_GRAD_FP32_ADD)");
@@ -43,11 +46,13 @@ struct WeightGradEpilogue {
     *params = Params{};
     if constexpr (!Fp32) {
       MEGAMOE_RETURN_IF_ERROR(make_planes_tensor_map(&params->c, args.out, uint64_t(plan.shape.num_local_experts),
-                                                     uint64_t(m), uint64_t(n), kWarpRows, fn, "out"));
+                                                     uint64_t(m), uint64_t(n), uint64_t(args.ld), kWarpRows, fn,
+                                                     "out"));
     }
     params->out = static_cast<float*>(args.out);
     params->m = m;
     params->n = n;
+    params->ld = args.ld;
     params->accumulate = args.accumulate;
     return MEGAMOE_OK;
   }
@@ -88,7 +93,7 @@ struct WeightGradEpilogue {
     const int row = t.m_tile * kBlockM + warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * 16 +
                     int(threadIdx.x % 32) / 4;  // of the expert's M; the other is row + 8
     const bool in_m[2] = {row < p.m, row + 8 < p.m};
-    float* base = p.out + (int64_t(t.expert) * p.m + row) * p.n + col0;
+    float* base = p.out + (int64_t(t.expert) * p.m + row) * p.ld + col0;
     // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the
     // read-add-write costs one memory round trip per batch, not one per element.
     constexpr int kBatch = 8;
@@ -101,7 +106,7 @@ struct WeightGradEpilogue {
         for (int h = 0; h < 2; ++h) {
           const bool inside = in_m[h] && col0 + 8 * (j0 + j) < p.n;
           old[j][h] = p.accumulate && inside
-                          ? *reinterpret_cast<const float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j))
+                          ? *reinterpret_cast<const float2*>(base + 8 * h * p.ld + 8 * (j0 + j))
                           : make_float2(0.f, 0.f);
         }
       }
@@ -114,7 +119,7 @@ struct WeightGradEpilogue {
           v.x += old[j][h].x;
           v.y += old[j][h].y;
           if (in_m[h] && col0 + 8 * (j0 + j) < p.n) {
-            *reinterpret_cast<float2*>(base + int64_t(8 * h) * p.n + 8 * (j0 + j)) = v;
+            *reinterpret_cast<float2*>(base + 8 * h * p.ld + 8 * (j0 + j)) = v;
           }
         }
       }

@@ -13,7 +13,8 @@ template <int BlockN, bool Fp32>
 int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, const megamoe_weight_grad_args& args,
                     void* stream) {
   using Epi = WeightGradEpilogue<BlockN, Fp32>;
-  const typename Epi::Arguments epi_args{args.out, args.output == MEGAMOE_GRAD_FP32_ADD};
+  const typename Epi::Arguments epi_args{args.out, args.out_ld ? args.out_ld : args.n,
+                                         args.output == MEGAMOE_GRAD_FP32_ADD};
   MEGAMOE_RETURN_IF_ERROR(Epi::can_implement(fn, epi_args));
   typename Epi::Params epi;
   MEGAMOE_RETURN_IF_ERROR(Epi::to_params(fn, plan, args.m, args.n, epi_args, &epi));
@@ -50,6 +51,10 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
       return invalid_argument(fn + name + " must be a positive multiple of 8 (16-byte bf16 rows), got " +
                               std::to_string(size));
     }
+  }
+  if (a.out_ld != 0 && (a.out_ld < a.n || a.out_ld % kBf16SizeMultiple != 0)) {
+    return invalid_argument(fn + "out_ld must be 0 (n) or a multiple of 8 no smaller than n = " + std::to_string(a.n) +
+                            ", got " + std::to_string(a.out_ld));
   }
   const int64_t experts = plan->shape.num_local_experts;
   MEGAMOE_RETURN_IF_ERROR(check_row_range(fn, routing::pool_rows(*plan), "the plan's pool rows"));

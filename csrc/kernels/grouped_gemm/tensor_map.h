@@ -68,12 +68,13 @@ inline int make_tensor_map(CUtensorMap* map, const void* ptr, uint64_t rows, uin
                            CU_TENSOR_MAP_SWIZZLE_128B, fn, what);
 }
 
-// bf16 [planes, rows, cols] (e.g. a weight gradient [E, M, N]) as planes that clip on their own:
-// boxes of box_rows x 64 columns of one plane, coordinates (column, row, plane).
+// bf16 [planes, rows, cols] with ld elements between rows (e.g. a weight gradient [E, M, N], or N
+// columns of a wider one) as planes that clip on their own: boxes of box_rows x 64 columns of one
+// plane, coordinates (column, row, plane).
 inline int make_planes_tensor_map(CUtensorMap* map, const void* ptr, uint64_t planes, uint64_t rows, uint64_t cols,
-                                  uint32_t box_rows, const std::string& fn, const char* what) {
+                                  uint64_t ld, uint32_t box_rows, const std::string& fn, const char* what) {
   const cuuint64_t dims[3] = {cols, rows, planes};
-  const cuuint64_t strides[2] = {2 * cols, 2 * cols * rows};
+  const cuuint64_t strides[2] = {2 * ld, 2 * ld * rows};
   const cuuint32_t box[3] = {kBlockK, box_rows, 1};
   return encode_tensor_map(map, ptr, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, dims, strides, box,
                            CU_TENSOR_MAP_SWIZZLE_128B, fn, what);
