@@ -49,7 +49,7 @@ RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
 DispatchFp8Args = _struct("megamoe_dispatch_fp8_args", ("x", _ptr), ("pool", _ptr), ("pool_scales", _ptr),
                           ("hidden", _i32))
 DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),
-                       ("weights_pool", _ptr), ("row_bytes", _i32))
+                       ("weights_pool", _ptr), ("row_bytes", _i32), ("x_stride", _i32))
 CombineArgs = _struct("megamoe_combine_args", ("routed", _ptr), ("topk_weights", _ptr), ("y", _ptr),
                       ("hidden", _i32))
 DispatchPeersArgs = _struct("megamoe_dispatch_peers_args", ("x_peers", _ptr), ("route_offsets", _ptr),

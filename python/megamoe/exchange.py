@@ -21,16 +21,20 @@ from .routing import RoutingPlan
 
 
 def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
-    """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes):
-    each live pool row holds its route's token row; padding rows are zero. With weights [T, K],
-    (pool, p [pool rows] fp32): also each live row's route weight, 0 on padding rows."""
+    """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes, which
+    may be columns of a wider tensor): each live pool row holds its route's token row; padding rows are
+    zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's route weight, 0 on
+    padding rows."""
+    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        raise ValueError(f"rows [T, H] must have contiguous columns and rows at least H apart, got strides "
+                         f"{rows.stride()}")
     pool = rows.new_empty(plan.pool_rows, rows.shape[1])
     weights_pool = None
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
         weights_pool = torch.empty(pool.shape[0], dtype=torch.float32, device=pool.device)
     args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _native.address(weights),
-                                _native.address(weights_pool), _row_bytes(rows))
+                                _native.address(weights_pool), _row_bytes(rows), rows.stride(0) * rows.element_size())
     _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
     return pool if weights is None else (pool, weights_pool)
 

@@ -199,7 +199,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             weight_grad(dz, x_pool, plan, out)
         else:  # not kept (recompute="gather", FP8): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):
-                weight_grad(dz, dispatch(plan, x[:, cols].contiguous()), plan, out[:, :, cols])
+                weight_grad(dz, dispatch(plan, x[:, cols]), plan, out[:, :, cols])
     return dx, dweights, dw13, dw2
 
 

@@ -114,6 +114,19 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
     }
   }
 
+  // The right half of each row of x (x_stride: rows of the whole x apart) into a pool half as wide.
+  const int half = hidden / 2;
+  auto* d_half_pool = to_device(std::vector<uint16_t>(capacity * half, kPoison));
+  const megamoe_dispatch_args columns{d_x + half, d_half_pool, nullptr, nullptr, 2 * half, 2 * hidden};
+  ASSERT_EQ(megamoe_dispatch_bf16(&plan, &columns, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  const auto half_pool = to_host(d_half_pool, capacity * half);
+  cudaFree(d_half_pool);
+  for (int64_t row = 0; row < capacity; ++row) {
+    for (int c = 0; c < half; ++c) {
+      ASSERT_EQ(half_pool[row * half + c], pool[row * hidden + half + c]) << "columns: row " << row << " col " << c;
+    }
+  }
+
   // Combine over route rows that hold a recognisable value; masked routes' rows stay NaN.
   std::vector<uint16_t> routed(p.ids.size() * hidden, kPoison);
   std::mt19937 rng(3);
@@ -159,6 +172,10 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.row_bytes = 0; }, "row_bytes 0 must be a positive multiple of 16"},
           {[](auto&, auto& a) { a.row_bytes = 120; }, "row_bytes 120 must be a positive multiple of 16"},
           {[](auto&, auto& a) { a.x = check_buf + 2; }, "x and pool must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.x_stride = 112; },
+           "x_stride 112 must be 0 (row_bytes) or a multiple of 16 no smaller than row_bytes = 128"},
+          {[](auto&, auto& a) { a.x_stride = 136; },
+           "x_stride 136 must be 0 (row_bytes) or a multiple of 16 no smaller than row_bytes = 128"},
           {[=](auto&, auto& a) { a.weights = fp; }, "weights and weights_pool go together"},
           {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
           {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, dispatch_null},

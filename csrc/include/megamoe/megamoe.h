@@ -75,11 +75,12 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_pl
 //           in ascending k, fp32, rounded once (deterministic).
 // ---------------------------------------------------------------------------------------------
 typedef struct {
-  const void* x;         // [T, row_bytes]
+  const void* x;         // [T, row_bytes], rows x_stride bytes apart
   void* pool;            // [max_blocks * 128, row_bytes]
   const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;   // [max_blocks * 128] fp32, or null
   int32_t row_bytes;     // a multiple of 16 (bf16: 2 * hidden)
+  int32_t x_stride;      // 0: row_bytes; else a multiple of 16 no smaller (columns of a wider x)
 } megamoe_dispatch_args;
 
 typedef struct {

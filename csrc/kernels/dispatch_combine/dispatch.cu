@@ -22,7 +22,7 @@ template <int kVecsPerLane>
 __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
                                 const int32_t* __restrict__ route_to_slot, const float* __restrict__ weights,
                                 float* __restrict__ weights_pool, int64_t num_tokens, int32_t top_k,
-                                int32_t vecs_per_row, int64_t warp, int64_t warps) {
+                                int32_t vecs_per_row, int32_t x_vecs_per_row, int64_t warp, int64_t warps) {
   constexpr int kSegment = 32 * kVecsPerLane;
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp; t < num_tokens; t += warps) {
@@ -31,7 +31,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
         const int c = segment + i * 32 + lane;
-        if (c < vecs_per_row) v[i] = load_readonly(x + t * vecs_per_row + c);
+        if (c < vecs_per_row) v[i] = load_readonly(x + t * x_vecs_per_row + c);
       }
       for (int k = 0; k < top_k; ++k) {
         const int64_t slot = route_to_slot[t * top_k + k];
@@ -76,11 +76,11 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
               const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
               const int32_t* __restrict__ num_blocks, const float* __restrict__ weights,
               float* __restrict__ weights_pool, int64_t num_tokens, int64_t max_rows, int32_t top_k,
-              int32_t vecs_per_row) {
+              int32_t vecs_per_row, int32_t x_vecs_per_row) {
   const int64_t warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
-  copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, weights, weights_pool, num_tokens, top_k, vecs_per_row, warp,
-                                warps);
+  copy_token_rows<kVecsPerLane>(x, pool, route_to_slot, weights, weights_pool, num_tokens, top_k, vecs_per_row,
+                                x_vecs_per_row, warp, warps);
   for_padding_rows(slot_to_route, num_blocks, max_rows, warp, warps, [&](int64_t row) {
     if (weights_pool != nullptr && threadIdx.x % 32 == 0) weights_pool[row] = 0.f;
     zero_row(pool, row, vecs_per_row);
@@ -126,14 +126,14 @@ struct DispatchArgs {
   const float* weights;
   float* weights_pool;
   int64_t num_tokens, max_rows;
-  int32_t top_k, vecs_per_row;
+  int32_t top_k, vecs_per_row, x_vecs_per_row;
 };
 
 template <int kVecsPerLane>
 void launch(const DispatchArgs& a, int grid, cudaStream_t stream) {
   dispatch_rows<kVecsPerLane><<<grid, kWarpsPerCta * 32, 0, stream>>>(
       a.x, a.pool, a.route_to_slot, a.slot_to_route, a.num_blocks, a.weights, a.weights_pool, a.num_tokens,
-      a.max_rows, a.top_k, a.vecs_per_row);
+      a.max_rows, a.top_k, a.vecs_per_row, a.x_vecs_per_row);
 }
 
 }  // namespace
@@ -151,6 +151,11 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
     return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a positive multiple of 16 "
                             "(bf16 rows: a hidden size that is a multiple of 8)");
   }
+  if (a.x_stride != 0 && (a.x_stride < a.row_bytes || a.x_stride % kVecBytes)) {
+    return invalid_argument(fn + "x_stride " + std::to_string(a.x_stride) +
+                            " must be 0 (row_bytes) or a multiple of 16 no smaller than row_bytes = " +
+                            std::to_string(a.row_bytes));
+  }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
   if (!a.x || !a.pool || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
@@ -164,7 +169,8 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
   const DispatchArgs launch_args{static_cast<const Bf16x8*>(a.x), static_cast<Bf16x8*>(a.pool), plan->route_to_slot,
                                  plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, num_tokens,
-                                 max_rows, plan->shape.top_k, a.row_bytes / kVecBytes};
+                                 max_rows, plan->shape.top_k, a.row_bytes / kVecBytes,
+                                 (a.x_stride ? a.x_stride : a.row_bytes) / kVecBytes};
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int vecs_per_lane = (launch_args.vecs_per_row + 31) / 32;
   if (vecs_per_lane <= 4) {
