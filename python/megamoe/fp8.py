@@ -8,6 +8,7 @@ ops with the same results."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -103,7 +104,10 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # add_(), the foreach and for-loop optimizers), storage, shape, strides, dtype and device are those
 # it was made from; a stale entry is replaced by the next call. The fused optimizers
 # (torch.optim.AdamW(fused=True)) update parameters without bumping their version counters, so every
-# torch.optim optimizer's step also drops all cached copies (a global step hook).
+# torch.optim optimizer's step also drops all cached copies (a global step hook). An alias of a cached
+# weight (the same memory, shape and strides, e.g. the detached copy that activation checkpointing
+# hands the backward in place of the parameter) shares its entry: _OWNERS finds the weight from where
+# it lies, and while that weight is alive no other tensor can lie there.
 
 
 @dataclasses.dataclass(eq=False)
@@ -142,10 +146,24 @@ def _transposed_values(q: torch.Tensor) -> torch.Tensor:
 
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (key, QuantizedWeight)
+_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _place(weight) -> weight
+
+
+def _place(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
 
 def _cache_key(w: torch.Tensor) -> tuple:
-    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+    return (w._version, *_place(w))
+
+
+def _owner(w: torch.Tensor) -> torch.Tensor:
+    """The tensor w's cache entry is kept under: w, or the cached weight that w is an alias of."""
+    if w in _CACHE:
+        return w
+    place = _place(w)
+    owner = _OWNERS.get(place)
+    return owner if owner is not None and _place(owner) == place else w
 
 
 def _cacheable(w: torch.Tensor) -> bool:
@@ -164,14 +182,15 @@ def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     if not _cacheable(w):
         with torch.no_grad():
             return QuantizedWeight(*quantize_blocks(w.detach()))
-    key = _cache_key(w)
-    entry = _CACHE.get(w)
+    owner, key = _owner(w), _cache_key(w)
+    entry = _CACHE.get(owner)
     if entry is not None and entry[0] == key:
         return entry[1]
-    _CACHE.pop(w, None)  # the stale copy goes before the new one is made: never both at once
+    _CACHE.pop(owner, None)  # the stale copy goes before the new one is made: never both at once
     with torch.no_grad():
         quantized = QuantizedWeight(*quantize_blocks(w.detach()))
-    _CACHE[w] = (key, quantized)
+    _CACHE[owner] = (key, quantized)
+    _OWNERS[_place(owner)] = owner
     return quantized
 
 
@@ -191,6 +210,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 def clear_weight_cache() -> None:
     """Drops every cached copy (their memory returns to the caching allocator)."""
     _CACHE.clear()
+    _OWNERS.clear()
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

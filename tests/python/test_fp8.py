@@ -138,6 +138,23 @@ def test_a_parameter_updated_by_an_optimizer_gets_a_new_copy(empty_cache, optimi
     assert torch.equal(after.q.float(), fp8.quantize_blocks(w.detach())[0].float())
 
 
+def test_an_alias_of_a_weight_shares_its_copy(empty_cache):
+    """What activation checkpointing hands the backward: a detached alias of the parameter (another
+    tensor object on the same memory). It gets the parameter's copy, made once per version; a tensor
+    with other memory, or a slice of the weight, gets its own."""
+    w = torch.nn.Parameter(torch.randn(2, 128, 256))
+    first = fp8.quantized_weight(w)
+    alias = w.detach()
+    assert fp8.quantized_weight(alias) is first and fp8.cache_bytes() == first.nbytes()
+    assert fp8.quantized_weight(alias).transposed() is first.transposed()
+    assert fp8.quantized_weight(w[:1]) is not first
+    with torch.no_grad():
+        alias.add_(1)  # the shared version counter moves for both
+    after = fp8.quantized_weight(alias)
+    assert after is not first and fp8.quantized_weight(w) is after
+    assert torch.equal(after.q.float(), fp8.quantize_blocks(w.detach())[0].float())
+
+
 def test_each_weight_has_its_own_copy_and_a_freed_weight_frees_it(empty_cache):
     a, b = torch.randn(1, 128, 128), torch.randn(1, 128, 128)
     qa, qb = fp8.quantized_weight(a), fp8.quantized_weight(b)
