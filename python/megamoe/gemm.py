@@ -176,7 +176,7 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
     written, fp32 is added to (a main_grad). out may be a slice of columns of a wider gradient
     (out.stride(1) elements between rows)."""
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
-    experts, m, n = out.shape
+    _, m, n = out.shape
     if out.stride(2) != 1 or out.stride(0) != m * out.stride(1):
         raise ValueError(f"out must be [E, M, N] with rows of unit stride, planes back to back; strides {out.stride()}")
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
