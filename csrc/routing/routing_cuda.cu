@@ -6,8 +6,14 @@
 //              (each expert's chunks in 8 ranges: sums side by side, then bases), and sums the
 //              chunks' invalid ids;
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
-// Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync.
+// Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync. Count
+// and assign keep each warp's per-expert counters in shared memory and load the chunk's ids before
+// the walk: the walk is a chain of read-modify-writes, which in global memory would wait for L2 at
+// every step.
 #include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <string>
 
 #include "common/status.h"
 #include "routing/routing.h"
@@ -39,30 +45,60 @@ __device__ __forceinline__ int32_t* chunk_invalid_counts(int32_t* chunk_counts, 
   return chunk_counts + num_chunks(s) * s.num_local_experts;
 }
 
+// The chunk's ids, lane l holding route chunk * kRoutesPerChunk + 32 step + l in ids[step] (-1 past
+// the routes: no expert, not invalid).
+__device__ __forceinline__ void load_chunk_ids(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& s,
+                                               int64_t chunk, int32_t (&ids)[kStepsPerChunk]) {
+  const int64_t routes = num_routes(s);
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int step = 0; step < kStepsPerChunk; ++step) {
+    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
+    ids[step] = r < routes ? topk_ids[r] : -1;
+  }
+}
+
+// This warp's chunk (a warp per chunk, blockDim.x / 32 warps per CTA) and its counters in the
+// dynamic shared memory (one int32 per local expert per warp).
+struct WarpChunk {
+  int64_t chunk;
+  int32_t* counters;
+};
+
+__device__ __forceinline__ WarpChunk warp_chunk(int32_t* shared_counters, const megamoe_routing_shape& s) {
+  const int warp = threadIdx.x / 32;
+  return {int64_t(blockIdx.x) * (blockDim.x / 32) + warp, shared_counters + int64_t(warp) * s.num_local_experts};
+}
+
 __global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
                              int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan, int64_t capacity) {
+  extern __shared__ int32_t shared_counters[];
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < capacity; i += threads) {
     plan.slot_to_route[i] = -1;
     if (i < capacity / kBlockM) plan.block_expert[i] = -1;
   }
-  const int64_t chunk = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const auto [chunk, counts] = warp_chunk(shared_counters, shape);
   const int lane = threadIdx.x % 32;
   if (chunk >= num_chunks(shape)) return;
-  int32_t* counts = chunk_counts + chunk * shape.num_local_experts;
-  for (int32_t e = lane; e < shape.num_local_experts; e += 32) counts[e] = 0;
+  const int32_t experts = shape.num_local_experts;
+  for (int32_t e = lane; e < experts; e += 32) counts[e] = 0;
+  int32_t ids[kStepsPerChunk];
+  load_chunk_ids(topk_ids, shape, chunk, ids);
   __syncwarp();
-  const int64_t routes = num_routes(shape);
   int invalid = 0;
+#pragma unroll
   for (int step = 0; step < kStepsPerChunk; ++step) {
-    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
-    const int32_t id = r < routes ? topk_ids[r] : -1;
-    invalid += is_invalid_id(id, shape);
-    const int32_t expert = local_expert(id, shape);
+    invalid += is_invalid_id(ids[step], shape);
+    const int32_t expert = local_expert(ids[step], shape);
     const auto group = group_lanes_by_expert(expert);
-    // Only this warp touches this chunk's counters, and each leader owns a different expert.
+    // Each leader owns a different expert in this step; the next step's leader of an expert may
+    // be another lane, hence the __syncwarp.
     if (lane == group.leader && expert >= 0) counts[expert] += __popc(group.peers);
+    __syncwarp();
   }
+  int32_t* out = chunk_counts + chunk * experts;
+  for (int32_t e = lane; e < experts; e += 32) out[e] = counts[e];
   invalid = __reduce_add_sync(0xffffffffu, invalid);
   if (lane == 0) chunk_invalid_counts(chunk_counts, shape)[chunk] = invalid;
 }
@@ -154,28 +190,64 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
 }
 
 __global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
-                             int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
-  const int64_t chunk = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+                             const int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
+  extern __shared__ int32_t shared_counters[];
+  const auto [chunk, next_slot] = warp_chunk(shared_counters, shape);
   const int lane = threadIdx.x % 32;
   if (chunk >= num_chunks(shape)) return;
-  int32_t* bases = chunk_bases + chunk * shape.num_local_experts;
+  const int32_t experts = shape.num_local_experts;
+  const int32_t* bases = chunk_bases + chunk * experts;
+  for (int32_t e = lane; e < experts; e += 32) next_slot[e] = plan.expert_offsets[e] + bases[e];
+  int32_t ids[kStepsPerChunk];
+  load_chunk_ids(topk_ids, shape, chunk, ids);
+  __syncwarp();
   const int64_t routes = num_routes(shape);
+#pragma unroll
   for (int step = 0; step < kStepsPerChunk; ++step) {
-    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
-    const int32_t expert = local_expert(r < routes ? topk_ids[r] : -1, shape);
+    const int32_t expert = local_expert(ids[step], shape);
     const auto group = group_lanes_by_expert(expert);
-    int32_t base = 0;
+    int32_t first = 0;
     if (lane == group.leader && expert >= 0) {
-      base = bases[expert];
-      bases[expert] = base + __popc(group.peers);
+      first = next_slot[expert];
+      next_slot[expert] = first + __popc(group.peers);
     }
-    base = __shfl_sync(0xffffffffu, base, group.leader);
+    first = __shfl_sync(0xffffffffu, first, group.leader);
+    __syncwarp();
+    const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
     if (r < routes) {
-      const int32_t slot = expert >= 0 ? plan.expert_offsets[expert] + base + group.rank : -1;
+      const int32_t slot = expert >= 0 ? first + group.rank : -1;
       plan.route_to_slot[r] = slot;
       if (slot >= 0) plan.slot_to_route[slot] = int32_t(r);
     }
   }
+}
+
+// Warps per CTA of count and assign, and their dynamic shared memory: up to kWarpsPerCta warps, as
+// many as this GPU's shared memory holds counters for.
+struct ChunkLaunch {
+  int warps_per_cta;
+  size_t shared_bytes;
+};
+
+int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
+  int device = 0, optin = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t per_warp = size_t(s.num_local_experts) * sizeof(int32_t);
+  const int warps = int(std::min<size_t>(kWarpsPerCta, size_t(optin) / per_warp));
+  if (warps < 1) {
+    return invalid_argument("routing: " + std::to_string(s.num_local_experts) +
+                            " local experts need more shared memory for their counters than this GPU has (" +
+                            std::to_string(optin) + " bytes per CTA): use fewer experts per rank");
+  }
+  *launch = {warps, size_t(warps) * per_warp};
+  if (launch->shared_bytes > 48 * 1024) {  // above the default limit: opt in
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(count_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      int(launch->shared_bytes)));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(assign_slots, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      int(launch->shared_bytes)));
+  }
+  return MEGAMOE_OK;
 }
 
 }  // namespace
@@ -191,15 +263,18 @@ extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe
   auto stream = static_cast<cudaStream_t>(stream_handle);
   auto* chunk_counts = static_cast<int32_t*>(plan->workspace);
   const int64_t chunks = num_chunks(s);
-  const int grid = int(ceil_div(chunks, kWarpsPerCta));
+  ChunkLaunch launch{};
+  MEGAMOE_RETURN_IF_ERROR(chunk_launch(s, &launch));
+  const int grid = int(ceil_div(chunks, launch.warps_per_cta));
+  const int threads = launch.warps_per_cta * 32;
 
-  count_chunks<<<grid > 0 ? grid : 1, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, *plan,
-                                                                      megamoe_routing_capacity(&s));
+  count_chunks<<<grid > 0 ? grid : 1, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan,
+                                                                              megamoe_routing_capacity(&s));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (chunks > 0) {
-    assign_slots<<<grid, kWarpsPerCta * 32, 0, stream>>>(topk_ids, s, chunk_counts, *plan);
+    assign_slots<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan);
     MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return MEGAMOE_OK;
