@@ -173,8 +173,9 @@ def address(t: torch.Tensor | None) -> int | None:
 
 
 def stream(device: torch.device) -> int:
-    """The handle of the current CUDA stream of `device`, which every kernel of the core is queued on."""
-    return torch.cuda.current_stream(device).cuda_stream
+    """The handle of the current CUDA stream of `device`, which every kernel of the core is queued on
+    (torch's raw accessor: torch.cuda.current_stream would build a Stream object per launch)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def check(status: int, what: str) -> None:

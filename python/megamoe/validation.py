@@ -164,36 +164,35 @@ def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int, precisi
 
 class IdRangeCheck:
     """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
-    so no kernel reads out of bounds. The count comes to the host right behind the routing, on a
-    stream of its own (a copy between the compute stream's kernels would cost two ~5 µs switches
-    there), and the forward checks it once all its kernels are queued: the host waits for this
-    layer's routing, not for the whole queue ahead of it as a check before the launches would, and
-    the caller gets the exception instead of an output. Not while a CUDA graph is being captured,
-    where the host may not wait: there bad ids only stay masked (routed nowhere), as they were before
-    this check existed whenever the host check was skipped (torch.compile)."""
+    so no kernel reads out of bounds. Made right after the routing launches, it marks where they end
+    on the compute stream (an event); raise_if_any, called once all the layer's kernels are queued,
+    copies the count on a stream of its own that waits for that mark (a copy between the compute
+    stream's kernels would cost two ~5 µs switches there) and raises if it is not zero: the host waits
+    for this layer's routing, not for the whole queue ahead of it, and the caller gets the exception
+    instead of an output. The copy's host work comes after the launches, so it does not delay them.
+    Not while a CUDA graph is being captured, where the host may not wait: there bad ids only stay
+    masked (routed nowhere), as they were before this check existed whenever the host check was
+    skipped (torch.compile)."""
 
     _copy_streams: dict = {}
 
     def __init__(self, plan, num_experts: int):
-        self.num_experts = num_experts
+        self.plan, self.num_experts = plan, num_experts
         self.active = not torch.cuda.is_current_stream_capturing()
         if self.active:
-            device = plan.num_invalid.device
-            if device not in self._copy_streams:
-                self._copy_streams[device] = torch.cuda.Stream(device)
-            copy_stream = self._copy_streams[device]
-            copy_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(copy_stream):
-                self.count = plan.num_invalid.to("cpu", non_blocking=True)
-                self.routed = torch.cuda.Event()
-                self.routed.record(copy_stream)
-            plan.num_invalid.record_stream(copy_stream)  # the plan may be freed before the copy ran
+            self.routed = torch.cuda.Event()
+            self.routed.record(torch.cuda.current_stream(plan.num_invalid.device))
 
     def raise_if_any(self) -> None:
         if not self.active:
             return
-        self.routed.synchronize()
-        count = int(self.count)
+        device = self.plan.num_invalid.device
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        copy_stream = self._copy_streams[device]
+        copy_stream.wait_event(self.routed)
+        with torch.cuda.stream(copy_stream):
+            count = int(self.plan.num_invalid.item())  # waits for this copy only
         if count:
             raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
 
