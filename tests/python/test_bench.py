@@ -8,6 +8,7 @@ import torch
 
 from megamoe.bench import backends, main
 from megamoe.bench.timing import SINGLE_CALLS, Budget, Device, mean_clock_and_power, measure
+from megamoe.shapes import PRESETS
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb",
@@ -118,6 +119,12 @@ def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):
     (record,) = read_results(tmp_path)["records"]
     assert record["skipped"] and record["fwd_ms"] is None and record["fwdbwd_ms"] is None
     assert record["precision"] == "fp8"
+
+
+@pytest.mark.parametrize("precision,device,reason", [("bf16", "cpu", "CUDA graphs"), ("fp8", "cuda", "bf16 only")])
+def test_fused_graphed_runs_bf16_on_a_gpu_only(precision, device, reason):
+    with pytest.raises(backends.Unavailable, match=reason):
+        backends.build("fused-graphed", PRESETS["tiny"], precision, torch.device(device))
 
 
 def test_bench_records_out_of_memory_and_carries_on(tmp_path, monkeypatch):
