@@ -18,6 +18,9 @@ MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 # today: grouped-fp8 is TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
 BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "fused-graphed", "grouped-compiled",
             "hf-grouped_mm", "grouped-fp8")
+# The backends whose buffers come from CUDA graph pools, allocated at capture before the measured run:
+# their peak and kept-for-backward figures would not be comparable, so none are recorded.
+GRAPHED_BACKENDS = ("fused-graphed",)
 # The backends that take a precision other than bf16 (the others are recorded as skipped there).
 LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", "grouped-fp8")
 
