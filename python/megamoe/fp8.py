@@ -167,9 +167,13 @@ def _owner(w: torch.Tensor) -> torch.Tensor:
 
 
 def _cacheable(w: torch.Tensor) -> bool:
-    """False under torch.compile, for fake / meta tensors (no storage, no real version) and for inference
-    tensors (no version counter): those are quantised on every call."""
+    """False under torch.compile, while a CUDA graph is being captured (a replay must quantise the weight
+    as it is then, and a cached copy the graph read could be freed by the next optimizer step), for fake
+    / meta tensors (no storage, no real version) and for inference tensors (no version counter): those
+    are quantised on every call."""
     if torch.compiler.is_compiling() or w.device.type == "meta" or w.is_inference():
+        return False
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     from torch._subclasses.fake_tensor import is_fake
     return not is_fake(w)

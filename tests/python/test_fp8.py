@@ -200,6 +200,15 @@ def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkey
     assert fp8.cache_bytes() == 0
 
 
+def test_nothing_is_cached_while_a_cuda_graph_is_captured(empty_cache, monkeypatch):
+    """A replay must quantise the weight as it is then: the capture holds the quantisation, not a copy."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    w = torch.randn(1, 128, 128)
+    assert fp8.quantized_weight(w) is not fp8.quantized_weight(w)
+    assert fp8.cache_bytes() == 0
+
+
 @requires_cuda
 def test_row_quantization_kernel_equals_the_torch_ops():
     """megamoe_quantize_rows_fp8 / _dequantize_rows_fp8 (bf16 rows on a GPU) against the torch ops that

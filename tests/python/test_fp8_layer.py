@@ -116,3 +116,19 @@ def test_fused_fp8_non_finite_rows_stay_in_their_rows():
     assert torch.equal(~y.isfinite().all(dim=1), rows == 7)
     # x[7] reaches dx[7] through z, dy[11] reaches dx[11]; no other token's row.
     assert torch.equal(~inputs[0].grad.isfinite().all(dim=1), (rows == 7) | (rows == 11))
+
+
+@requires_cuda
+def test_a_captured_fp8_forward_quantises_the_weights_as_they_are_at_replay():
+    """Under capture the weight cache is bypassed: the graph holds the quantisation, so a replay after an
+    in-place update (an optimizer step) computes with the new weights, as an eager call does."""
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64, device="cuda")
+    with torch.no_grad():
+        megamoe.fused_moe(x, ids, weights, w13, w2, precision="fp8")  # warm-up, and a cached copy of w13
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = megamoe.fused_moe(x, ids, weights, w13, w2, precision="fp8")
+        w13.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, megamoe.fused_moe(x, ids, weights, w13, w2, precision="fp8"))

@@ -68,8 +68,9 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
     """fn (bf16) replayed from CUDA graphs, the way a small batch sheds its host and launch time: a
     forward graph per input shape under no_grad, torch.cuda.make_graphed_callables' forward and
     backward graphs with grad. Each call copies its x, ids and weights into the graph's own inputs
-    (w13 and w2 are the graph's: the benchmark's sets share them). Block FP8 is left out: its weight
-    copies come from a Python-side cache that a replay would not consult."""
+    (w13 and w2 are the graph's: the benchmark's sets share them). bf16 only: a captured block-FP8
+    layer quantises its weights on every replay (megamoe.fp8 caches nothing while capturing), which
+    the layer does once per optimizer step when run eagerly."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda":
