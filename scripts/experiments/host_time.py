@@ -1,8 +1,10 @@
 """Host time per call of `megamoe.moe` (backend fused) with every native call stubbed out: what the
 Python side, torch's custom-op dispatch and autograd cost per layer call, on CPU tensors, no GPU. The
-weights have fp32 `main_grad` buffers, so the backward allocates no weight gradients.
+weights have fp32 `main_grad` buffers, so the backward allocates no weight gradients. With --gpu, the
+real calls on the GPU, without the id check's wait (so the host runs ahead of the kernels): the host's
+time per call, launches included, on that machine.
 
-    python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024]
+    python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--gpu]
 
 Prints the median over rounds of the mean time per call, forward and forward + backward.
 """
@@ -38,6 +40,8 @@ def stub_native_calls() -> None:
 def per_call_us(fn, calls: int, rounds: int) -> float:
     times = []
     for _ in range(rounds):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # each round starts with an empty queue
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -51,18 +55,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gpu", action="store_true",
+                        help="the real calls on the GPU, the id check's wait left out (at most 20 calls a round, "
+                             "so the launch queue never fills)")
     args = parser.parse_args()
-    stub_native_calls()
+    if args.gpu:
+        megamoe.fused.IdRangeCheck = _NoIdCheck
+        args.calls = min(args.calls, 20)
+    else:
+        stub_native_calls()
+    device = "cuda" if args.gpu else "cpu"
     shape = PRESETS[args.preset]
     hidden, inter, experts, top_k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k
-    x = torch.randn(args.tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.randint(0, experts, (args.tokens, top_k), dtype=torch.int32)
-    weights = torch.rand(args.tokens, top_k, requires_grad=True)
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
-    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(args.tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    ids = torch.randint(0, experts, (args.tokens, top_k), dtype=torch.int32, device=device)
+    weights = torch.rand(args.tokens, top_k, device=device, requires_grad=True)
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device, requires_grad=True)
     for w in (w13, w2):
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
-    dy = torch.randn(args.tokens, hidden, dtype=torch.bfloat16)
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    dy = torch.randn(args.tokens, hidden, dtype=torch.bfloat16, device=device)
 
     def forward():
         return megamoe.moe(x, ids, weights, w13, w2)
@@ -73,7 +85,8 @@ def main() -> None:
 
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
-    print(f"{args.preset}, {args.tokens} tokens, host time per call (native calls stubbed out): "
+    what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
+    print(f"{args.preset}, {args.tokens} tokens, host time per call ({what}): "
           f"forward {per_call_us(forward, args.calls, args.rounds):.0f} µs, "
           f"forward + backward {per_call_us(forward_backward, args.calls, args.rounds):.0f} µs")
 
