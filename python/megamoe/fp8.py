@@ -153,15 +153,11 @@ def _place(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
 
-def _cache_key(w: torch.Tensor) -> tuple:
-    return (w._version, *_place(w))
-
-
-def _owner(w: torch.Tensor) -> torch.Tensor:
-    """The tensor w's cache entry is kept under: w, or the cached weight that w is an alias of."""
+def _owner(w: torch.Tensor, place: tuple) -> torch.Tensor:
+    """The tensor w's cache entry is kept under: w, or the cached weight that w (at `place`) is an alias
+    of."""
     if w in _CACHE:
         return w
-    place = _place(w)
     owner = _OWNERS.get(place)
     return owner if owner is not None and _place(owner) == place else w
 
@@ -186,7 +182,8 @@ def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     if not _cacheable(w):
         with torch.no_grad():
             return QuantizedWeight(*quantize_blocks(w.detach()))
-    owner, key = _owner(w), _cache_key(w)
+    place = _place(w)
+    owner, key = _owner(w, place), (w._version, *place)  # the key: the version and where w lies
     entry = _CACHE.get(owner)
     if entry is not None and entry[0] == key:
         return entry[1]
@@ -194,7 +191,7 @@ def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     with torch.no_grad():
         quantized = QuantizedWeight(*quantize_blocks(w.detach()))
     _CACHE[owner] = (key, quantized)
-    _OWNERS[_place(owner)] = owner
+    _OWNERS[place] = owner  # the owner lies where w does
     return quantized
 
 

@@ -137,6 +137,7 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
         record.skipped = str(why)
         return
     reasons = {}
+    measures_memory = record.backend not in backends.GRAPHED_BACKENDS
     for mode in plan.modes:
         result = _measure_mode(fn, mode, sets, dy, plan.budget, device)
         if isinstance(result, str):
@@ -147,11 +148,11 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
         setattr(record, f"{mode}_sm_mhz", result.sm_clock_mhz)
         setattr(record, f"{mode}_power_w", result.power_w)
         setattr(record, f"{mode}_single_ms", result.single_call_ms)
-        if result.peak_extra_bytes is not None and record.backend not in backends.GRAPHED_BACKENDS:
+        if result.peak_extra_bytes is not None and measures_memory:
             operand_bytes = sets[0].nbytes() + (dy.numel() * dy.element_size() if mode == "fwdbwd" else 0)
             # The last mode wins, so fwdbwd's figure is kept when both ran.
             record.peak_mem_gb = (result.peak_extra_bytes + operand_bytes) / 1e9
-        if mode == "fwdbwd" and record.backend not in backends.GRAPHED_BACKENDS:
+        if mode == "fwdbwd" and measures_memory:
             record.saved_gb = _saved_for_backward_gb(fn, sets[0])
     if reasons:
         distinct = set(reasons.values())
