@@ -17,12 +17,20 @@ namespace megamoe {
 namespace {
 constexpr int kMaxVecsPerLane = 16;  // 32 lanes * 16 * 16 bytes = 8 KB of a row kept in registers at a time
 
-// Lane l's slot of token t's route k0 + l (-1 past K): a warp loads up to 32 of the token's slots at
-// once, rather than one dependent load per route.
-__device__ __forceinline__ int32_t token_slots(const int32_t* __restrict__ route_to_slot, int64_t t, int32_t top_k,
-                                               int k0) {
-  const int k = k0 + int(threadIdx.x % 32);
-  return k < top_k ? route_to_slot[t * top_k + k] : -1;
+// Calls store_slot(slot) with the whole warp for each of token t's routes that has a slot here (not
+// masked, not another rank's expert), in route order. The warp loads up to 32 of the token's slots at
+// once (lane l: route k0 + l), rather than one dependent load per route.
+template <class StoreSlot>
+__device__ __forceinline__ void for_token_slots(const int32_t* __restrict__ route_to_slot, int64_t t, int32_t top_k,
+                                                const StoreSlot& store_slot) {
+  for (int k0 = 0; k0 < top_k; k0 += 32) {
+    const int k_lane = k0 + int(threadIdx.x % 32);
+    const int32_t lane_slot = k_lane < top_k ? route_to_slot[t * top_k + k_lane] : -1;
+    for (int k = k0; k < top_k && k < k0 + 32; ++k) {
+      const int64_t slot = __shfl_sync(0xffffffffu, lane_slot, k - k0);
+      if (slot >= 0) store_slot(slot);
+    }
+  }
 }
 
 // A row longer than 8 KB is copied in segments of that size (its slots read once per segment).
@@ -41,21 +49,19 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
         const int c = segment + i * 32 + lane;
         if (c < vecs_per_row) v[i] = load_readonly(x + t * x_vecs_per_row + c);
       }
-      for (int k0 = 0; k0 < top_k; k0 += 32) {
-        const int32_t lane_slot = token_slots(route_to_slot, t, top_k, k0);
-        if (segment == 0 && weights_pool != nullptr && lane_slot >= 0) {
-          weights_pool[lane_slot] = weights[t * top_k + k0 + lane];
-        }
-        for (int k = k0; k < top_k && k < k0 + 32; ++k) {
-          const int64_t slot = __shfl_sync(0xffffffffu, lane_slot, k - k0);
-          if (slot < 0) continue;  // masked or another rank's expert
-#pragma unroll
-          for (int i = 0; i < kVecsPerLane; ++i) {
-            const int c = segment + i * 32 + lane;
-            if (c < vecs_per_row) store(pool + slot * vecs_per_row + c, v[i]);
-          }
+      if (segment == 0 && weights_pool != nullptr) {  // each lane its routes' weights
+        for (int k = lane; k < top_k; k += 32) {
+          const int32_t slot = route_to_slot[t * top_k + k];
+          if (slot >= 0) weights_pool[slot] = weights[t * top_k + k];
         }
       }
+      for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) {
+#pragma unroll
+        for (int i = 0; i < kVecsPerLane; ++i) {
+          const int c = segment + i * 32 + lane;
+          if (c < vecs_per_row) store(pool + slot * vecs_per_row + c, v[i]);
+        }
+      });
     }
   }
 }
@@ -113,20 +119,15 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
   for (int64_t t = first_warp; t < num_tokens; t += warps) {
     for (int pass = 0; pass < vecs_per_row; pass += 32 * fp8::kRowChunksPerLane) {
       const fp8::RowPass quantised = fp8::quantize_row_pass(x + t * vecs_per_row, vecs_per_row, pass);
-      for (int k0 = 0; k0 < top_k; k0 += 32) {
-        const int32_t lane_slot = token_slots(route_to_slot, t, top_k, k0);
-        for (int k = k0; k < top_k && k < k0 + 32; ++k) {
-          const int64_t slot = __shfl_sync(0xffffffffu, lane_slot, k - k0);
-          if (slot < 0) continue;  // masked or another rank's expert
+      for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) {
 #pragma unroll
-          for (int i = 0; i < fp8::kRowChunksPerLane; ++i) {
-            const int c = pass + 32 * i + lane;
-            if (c >= vecs_per_row) break;
-            pool[slot * vecs_per_row + c] = quantised.q[i];
-            if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = quantised.scale[i];
-          }
+        for (int i = 0; i < fp8::kRowChunksPerLane; ++i) {
+          const int c = pass + 32 * i + lane;
+          if (c >= vecs_per_row) break;
+          pool[slot * vecs_per_row + c] = quantised.q[i];
+          if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = quantised.scale[i];
         }
-      }
+      });
     }
   }
   for_padding_rows(slot_to_route, num_blocks, max_rows, first_warp, warps, [&](int64_t row) {
