@@ -4,7 +4,7 @@ weights have fp32 `main_grad` buffers, so the backward allocates no weight gradi
 real calls on the GPU, without the id check's wait (so the host runs ahead of the kernels): the host's
 time per call, launches included, on that machine.
 
-    python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--gpu]
+    python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--precision bf16] [--gpu]
 
 Prints the median over rounds of the mean time per call, forward and forward + backward.
 """
@@ -53,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--precision", choices=["bf16", "fp8", "fp8_bwd"], default="bf16")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--gpu", action="store_true",
@@ -77,7 +78,7 @@ def main() -> None:
     dy = torch.randn(args.tokens, hidden, dtype=torch.bfloat16, device=device)
 
     def forward():
-        return megamoe.moe(x, ids, weights, w13, w2)
+        return megamoe.moe(x, ids, weights, w13, w2, precision=args.precision)
 
     def forward_backward():
         forward().backward(dy)
@@ -86,7 +87,7 @@ def main() -> None:
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
-    print(f"{args.preset}, {args.tokens} tokens, host time per call ({what}): "
+    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, host time per call ({what}): "
           f"forward {per_call_us(forward, args.calls, args.rounds):.0f} µs, "
           f"forward + backward {per_call_us(forward_backward, args.calls, args.rounds):.0f} µs")
 
