@@ -2,9 +2,9 @@
 //   1. count:  one warp per chunk of routes counts routes per local expert and the invalid ids for
 //              that chunk; the grid also resets slot_to_route and block_expert to -1, so no memset
 //              launches precede it;
-//   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets and the block list
-//              (each expert's chunks in 8 ranges: sums side by side, then bases), and sums the
-//              chunks' invalid ids;
+//   2. scan:   one CTA turns chunk counts into per-chunk bases, expert offsets (padded and
+//              compact) and the block list (each expert's chunks in 8 ranges: sums side by side,
+//              then bases), and sums the chunks' invalid ids;
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
 // Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync. Count
 // and assign keep each warp's per-expert counters in shared memory and load the chunk's ids before
@@ -116,9 +116,9 @@ __global__ void __launch_bounds__(kScanThreads)
 scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
             megamoe_routing_plan plan) {
   using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ typename BlockScan::TempStorage scan_storage, routes_scan_storage;
   __shared__ int32_t group_sums[kScanGroups][kScanExperts];
-  __shared__ int32_t blocks_before_tile;
+  __shared__ int32_t blocks_before_tile, routes_before_tile;
   const int64_t chunks = num_chunks(shape);
   const int64_t chunks_per_group = ceil_div(chunks, kScanGroups);
   const int32_t experts = shape.num_local_experts;
@@ -131,7 +131,7 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
   int32_t unused, total_invalid;
   BlockScan(scan_storage).ExclusiveSum(invalid, unused, total_invalid);
   if (threadIdx.x == 0) {
-    blocks_before_tile = 0;
+    blocks_before_tile = routes_before_tile = 0;
     *plan.num_invalid = total_invalid;
   }
   __syncthreads();  // also before scan_storage is used again
@@ -168,23 +168,30 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
       }
     }
     // 4. Expert offsets and the block list: group 0 holds the experts of this tile in order, and
-    // the other groups add 0, so one block-wide scan gives each expert's first block.
+    // the other groups add 0, so one block-wide scan gives each expert's first block (and one its
+    // first compact row).
     const bool owner = live && group == 0;
     const int32_t expert_blocks = owner ? int32_t(ceil_div(total, kBlockM)) : 0;
-    int32_t first_block, tile_blocks;
+    int32_t first_block, tile_blocks, first_route, tile_routes;
     BlockScan(scan_storage).ExclusiveSum(expert_blocks, first_block, tile_blocks);
+    BlockScan(routes_scan_storage).ExclusiveSum(owner ? total : 0, first_route, tile_routes);
     first_block += blocks_before_tile;
     if (owner) {
       plan.expert_counts[e] = total;
       plan.expert_offsets[e] = first_block * kBlockM;
+      plan.compact_offsets[e] = routes_before_tile + first_route;
       for (int32_t b = 0; b < expert_blocks; ++b) plan.block_expert[first_block + b] = e;
     }
-    __syncthreads();  // everyone has read blocks_before_tile, group_sums and scan_storage
-    if (threadIdx.x == 0) blocks_before_tile += tile_blocks;
+    __syncthreads();  // everyone has read the tile counters, group_sums and the scan storage
+    if (threadIdx.x == 0) {
+      blocks_before_tile += tile_blocks;
+      routes_before_tile += tile_routes;
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     plan.expert_offsets[experts] = blocks_before_tile * kBlockM;
+    plan.compact_offsets[experts] = routes_before_tile;
     *plan.num_blocks = blocks_before_tile;
   }
 }

@@ -38,7 +38,7 @@ int validate(const megamoe_routing_plan* plan, bool needs_workspace) {
   if (plan == nullptr) return invalid_argument("routing: null plan");
   MEGAMOE_RETURN_IF_ERROR(check_shape("routing: ", plan->shape));
   const auto& s = plan->shape;
-  if (!plan->expert_counts || !plan->expert_offsets || !plan->slot_to_route ||
+  if (!plan->expert_counts || !plan->expert_offsets || !plan->compact_offsets || !plan->slot_to_route ||
       !plan->block_expert || !plan->num_blocks || !plan->num_invalid ||
       (num_routes(s) > 0 && !plan->route_to_slot) || (needs_workspace && !plan->workspace)) {
     return invalid_argument("routing: a plan output pointer is null");
@@ -72,15 +72,18 @@ extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe
     if (e >= 0) ++counts[e];
   }
 
-  int32_t blocks = 0;
+  int32_t blocks = 0, routed = 0;
   for (int32_t e = 0; e < s.num_local_experts; ++e) {
     plan->expert_counts[e] = counts[e];
     plan->expert_offsets[e] = blocks * kBlockM;
+    plan->compact_offsets[e] = routed;
+    routed += counts[e];
     const int32_t expert_blocks = int32_t(ceil_div(counts[e], kBlockM));
     for (int32_t b = 0; b < expert_blocks; ++b) plan->block_expert[blocks + b] = e;
     blocks += expert_blocks;
   }
   plan->expert_offsets[s.num_local_experts] = blocks * kBlockM;
+  plan->compact_offsets[s.num_local_experts] = routed;
   std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(&s), -1);
   std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(&s), -1);
   *plan->num_blocks = blocks;

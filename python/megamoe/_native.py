@@ -44,7 +44,7 @@ def _struct(name: str, *fields: tuple[str, type]) -> type[ctypes.Structure]:
 RoutingShape = _struct("megamoe_routing_shape", ("num_tokens", _i64), ("top_k", _i32), ("num_experts", _i32),
                        ("expert_begin", _i32), ("num_local_experts", _i32))
 RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
-    "expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
+    "expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
     "num_invalid", "workspace")), ("shape", RoutingShape))
 DispatchFp8Args = _struct("megamoe_dispatch_fp8_args", ("x", _ptr), ("pool", _ptr), ("pool_scales", _ptr),
                           ("hidden", _i32))
@@ -74,7 +74,7 @@ ScatterGemmFp8Args = _struct("megamoe_scatter_gemm_fp8_args", ("a", _ptr), ("a_s
                              ("b_scales", _ptr), ("out_rows", _ptr), ("row_of_slot", _ptr), ("num_out_rows", _i64),
                              ("n", _i32), ("k", _i32))
 GatedBackwardFp8Args = _struct("megamoe_gated_backward_fp8_args", ("dy_pool", _ptr), ("dy_scales", _ptr),
-                               ("w2t", _ptr), ("w2t_scales", _ptr), ("z_pool", _ptr), ("p_pool", _ptr), ("dz", _ptr),
+                               ("w2t", _ptr), ("w2t_scales", _ptr), ("z", _ptr), ("p_pool", _ptr), ("dz", _ptr),
                                ("hp", _ptr), ("dp_partial", _ptr),
                                ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
@@ -82,7 +82,7 @@ GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), (
 ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),
                           ("row_of_slot", _ptr), ("num_out_rows", _i64), ("n", _i32), ("k", _i32),
                           ("b_layout", _i32))
-GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("w2", _ptr), ("z_pool", _ptr),
+GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("w2", _ptr), ("z", _ptr),
                             ("p_pool", _ptr), ("dz", _ptr), ("hp", _ptr), ("dp_partial", _ptr),
                             ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))

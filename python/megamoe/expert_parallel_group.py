@@ -65,7 +65,7 @@ from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
-                   grouped_gemm_scatter, reduce_dp, weight_grad)
+                   grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
@@ -363,10 +363,10 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     its scales, makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in
     FP8, dW13 on x_bf16, the pool of x's bf16 rows), without it bf16 ("fp8_bwd", and x_bf16 is x_pool)."""
     if x_scales is None:
-        z, x_bf16 = grouped_gemm(x_pool, w13, plan), x_pool
+        z, x_bf16 = recompute_z(x_pool, w13, plan, activation), x_pool
     else:
         w13_fp8 = fp8.quantized_weight(w13)
-        z = grouped_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan)
+        z = recompute_z(x_pool, w13_fp8.q, plan, activation, x_scales, w13_fp8.scales)
     if dy_fp8 is None:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
         in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s

@@ -8,8 +8,8 @@ a fake implementation, so torch.compile traces it without graph breaks; run eage
 functions go under a torch.autograd.Function instead, which spares the host the op's dispatch.
 
 Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
-row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, pool order) as the forward kept
-them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
+row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, one row per route: compact, see
+gemm.empty_z) as the forward kept them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
 price of a gather and a GEMM), then dh = dy·w2 with the activation's backward, p·h and dp partials
 in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and
 combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
@@ -24,10 +24,11 @@ The weight gradients stay bf16 GEMMs on the bf16 rows of x, dy, p·h and dz. Kep
 "fp8": z (bf16) and the plan; the backward dispatches x again, in bf16, for dW13 (x's e4m3 pool
 would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes).
 
-Memory: dz is written over z, and the gradients are allocated just before their GEMMs. Where the
-pool of x was not kept (recompute="gather", "fp8"), dW13 is made in two column halves of H, each from
-a pool of x that half wide, so the backward's peak (dW13, with dz and the other gradients live) holds
-half of that pool.
+Memory: z is kept compact (T·K rows, not the pool's worst case), and its memory is given back as
+soon as dh has read it, unless a later backward through the same graph needs it (retain_graph); the
+gradients are allocated just before their GEMMs. Where the pool of x was not kept
+(recompute="gather", "fp8"), dW13 is made in two column halves of H, each from a pool of x that half
+wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import fp8
 from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
-from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
-                   grouped_gemm_scatter, grouped_gemm_scatter_fp8, reduce_dp, weight_grad)
+from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
+                   grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision, main_grad_of
 
@@ -81,7 +82,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation)
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
-    output z [pool rows, 2I] bf16 for the backward, and with keep_pool as well, after a bf16 forward,
+    output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, after a bf16 forward,
     its pool of x [pool rows, H] (bf16, what dW13 reads; the e4m3 pool of an FP8 forward is not, so
     "fp8" keeps none); otherwise empty. With keep_plan, the routing plan's buffer
     (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
@@ -93,7 +94,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     plan = _plan(topk_ids, w13.shape[0])
     id_range = IdRangeCheck(plan, w13.shape[0])
     if keep:
-        z = x.new_empty(plan.pool_rows, w13.shape[1])
+        z = empty_z(plan, w13)
     if keep_plan:
         plan_buffer = plan.buffer
     routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")
@@ -122,10 +123,9 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
     if keep:
-        rows = pool_capacity(topk_ids.numel(), w13.shape[0])
-        z = x.new_empty(rows, w13.shape[1])
+        z = x.new_empty(topk_ids.numel(), w13.shape[1])
         if keep_pool and precision != "fp8":
-            x_pool = x.new_empty(rows, x.shape[1])
+            x_pool = x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
                                   dtype=torch.int32)
@@ -134,14 +134,14 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
 
 def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, x_pool: torch.Tensor,
-                   z: torch.Tensor, plan: torch.Tensor, need_dx: bool, need_dweights: bool, need_dw13: bool,
-                   need_dw2: bool, main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None
+                   z: torch.Tensor, plan: torch.Tensor, free_z: bool, need_dx: bool, need_dweights: bool,
+                   need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2); a gradient not asked for comes back empty and is not computed.
 
     activation, precision: the forward's. x_pool, z, plan: what fused_forward kept, or empty to
-    dispatch, recompute and rebuild them. dz is written over z, which the autograd backward copies
-    first when the graph is kept for another backward.
+    dispatch, recompute and rebuild them. free_z: give the kept z's memory back once dh has read it
+    (nothing reads it after this backward), so it is not live beside dz and the weight gradients.
     main_grad13 / main_grad2: None, or fp32 buffers shaped like w13 / w2 that the weight gradient is
     added to in fp32 instead of being returned (it then comes back empty)."""
     check_activation(activation)
@@ -158,12 +158,15 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     dy = dy.contiguous()
     dy_pool, p_pool = dispatch(plan, dy, topk_weights)
     if z.numel() == 0:  # recompute: z in the forward's precision (a bf16 pool of x serves dW13 too)
+        free_z = False  # our own: freed when it goes out of scope
         if precision == "fp8":
             w13_fp8 = fp8.quantized_weight(w13)
-            z = grouped_gemm_fp8(*dispatch_fp8(plan, x), w13_fp8.q, w13_fp8.scales, plan)
+            x_fp8, x_scales = dispatch_fp8(plan, x)
+            z = recompute_z(x_fp8, w13_fp8.q, plan, activation, x_scales, w13_fp8.scales)
+            del x_fp8, x_scales
         else:
             x_pool = dispatch(plan, x)
-            z = grouped_gemm(x_pool, w13, plan)
+            z = recompute_z(x_pool, w13, plan, activation)
     if fp8_backward:
         dy_fp8, dy_scales = dispatch_fp8(plan, dy)
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
@@ -171,6 +174,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         del dy_fp8, dy_scales
     else:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+    if free_z:
+        z.untyped_storage().resize_(0)
     del z
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
@@ -214,14 +219,15 @@ def _column_halves(hidden: int) -> list[slice]:
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("z", "main_grad13", "main_grad2"))
 def fused_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
-                       precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, need_dx: bool,
-                       need_dweights: bool, need_dw13: bool, need_dw2: bool, main_grad13: torch.Tensor | None,
-                       main_grad2: torch.Tensor | None
+                       precision: str, x_pool: torch.Tensor, z: torch.Tensor, plan: torch.Tensor, free_z: bool,
+                       need_dx: bool, need_dweights: bool, need_dw13: bool, need_dw2: bool,
+                       main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fused_backward as one op. main_grad13 / main_grad2 are required arguments: torch's in-place
-    bookkeeping of mutated arguments fails on defaulted ones (IndexError, torch 2.11)."""
-    return fused_backward(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, need_dx,
-                          need_dweights, need_dw13, need_dw2, main_grad13, main_grad2)
+    """fused_backward as one op (free_z counts as mutating z). main_grad13 / main_grad2 are required
+    arguments: torch's in-place bookkeeping of mutated arguments fails on defaulted ones (IndexError,
+    torch 2.11)."""
+    return fused_backward(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, free_z,
+                          need_dx, need_dweights, need_dw13, need_dw2, main_grad13, main_grad2)
 
 
 def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
@@ -230,8 +236,8 @@ def _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, ne
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, need_dx, need_dweights,
-      need_dw13, need_dw2, main_grad13, main_grad2):
+def _(dy, x, topk_ids, topk_weights, w13, w2, activation, precision, x_pool, z, plan, free_z, need_dx,
+      need_dweights, need_dw13, need_dw2, main_grad13, main_grad2):
     check_activation(activation)
     check_fused_precision(precision)
     return _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13, need_dw2, main_grad13,
@@ -272,10 +278,10 @@ def autograd_backward(ctx, dy, w13, w2, run) -> tuple:
 def _run_backward(ctx, dy, backward) -> tuple:
     """The autograd backward of either path: backward is fused_moe_backward or fused_backward."""
     x, topk_ids, topk_weights, w13, w2, x_pool, z, plan = ctx.saved_tensors
-    if torch._C._autograd._get_current_graph_task_keep_graph():
-        z = z.clone()  # retain_graph: a later backward reads the kept z, which dz would overwrite
+    free_z = not torch._C._autograd._get_current_graph_task_keep_graph()  # retain_graph: a later backward reads z
     return autograd_backward(ctx, dy, w13, w2, lambda needs, main_grads: backward(
-        dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z, plan, *needs, *main_grads))
+        dy, x, topk_ids, topk_weights, w13, w2, ctx.activation, ctx.precision, x_pool, z, plan, free_z, *needs,
+        *main_grads))
 
 
 def _backward(ctx, dy, _dx_pool, _dz, _dplan):

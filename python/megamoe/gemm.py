@@ -67,10 +67,16 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
 # The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism.
 # Their callers validate the layer's inputs; the C API checks every argument.
 
+def empty_z(plan: RoutingPlan, w13: torch.Tensor) -> torch.Tensor:
+    """z [T·K, 2I] bf16 for GEMM1 to write: compact, one row per route of the plan's local experts
+    without the pool's padding rows (megamoe.h), so the backward keeps T·K rows of it."""
+    return torch.empty(plan.num_routes, w13.shape[1], dtype=torch.bfloat16, device=w13.device)
+
+
 def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
                z: torch.Tensor | None = None) -> torch.Tensor:
     """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
-    with z [rows, 2I], the gate | up pre-activations are written there too (the backward's z)."""
+    with z (empty_z), the gate | up pre-activations are written there too (the backward's z)."""
     act = activation_id(activation)
     num_local, two_i, hidden = w13.shape
     h = a.new_empty(a.shape[0], two_i // 2)
@@ -85,7 +91,7 @@ def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-FP8 gated_gemm: (h e4m3 [rows, I], h_scales [I / 128, rows]) from e4m3 a [rows, H] with
     a_scales [H / 128, rows] and e4m3 w13 [E_local, 2I, H] with w13_scales [E_local, 2I / 128, H / 128];
-    h = act(gate) · up quantised per row and 128 columns; z [rows, 2I] bf16 as in gated_gemm."""
+    h = act(gate) · up quantised per row and 128 columns; z as in gated_gemm."""
     act = activation_id(activation)
     num_local, two_i, hidden = w13.shape
     h = torch.empty(a.shape[0], two_i // 2, dtype=torch.float8_e4m3fn, device=a.device)
@@ -120,23 +126,36 @@ def grouped_gemm_scatter(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, ro
                  _native.stream(a.device))
 
 
-def _backward_outputs(z: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dh epilogue's outputs for z [rows, 2I]: dz written over z itself (the C API allows it, and
-    the backward then needs no second buffer of z's size), hp [rows, I] bf16, dp partials
+def recompute_z(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation: str,
+                a_scales: torch.Tensor | None = None, w13_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """z as GEMM1 keeps it, for a backward that did not keep it: GEMM1 on the pool a, its h dropped;
+    bf16, or block FP8 with a_scales and w13 / w13_scales the weight's block copy."""
+    z = empty_z(plan, w13)
+    if a_scales is None:
+        gated_gemm(a, w13, plan, activation, z)
+    else:
+        gated_gemm_fp8(a, a_scales, w13, w13_scales, plan, activation, z)
+    return z
+
+
+def _backward_outputs(plan: RoutingPlan, z: torch.Tensor, inter: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dh epilogue's outputs in pool order: dz [rows, 2I] and hp [rows, I] bf16, dp partials
     [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
-    rows = z.shape[0]
-    return z, z.new_empty(rows, inter), torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device)
+    rows = plan.pool_rows
+    return (z.new_empty(rows, 2 * inter), z.new_empty(rows, inter),
+            torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device))
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
                    plan: RoutingPlan, activation: str = "swiglu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
-    the activation's backward at z, with p_pool [rows] each row's topk weight (hp = p · h, dp = ⟨h, dh⟩).
-    dz is z, overwritten."""
+    the activation's backward at z (GEMM1's, compact), with p_pool [rows] each row's topk weight
+    (hp = p · h, dp = ⟨h, dh⟩)."""
     act = activation_id(activation)
     num_local, hidden, inter = w2.shape
-    dz, hp, dp_partial = _backward_outputs(z, inter)
+    dz, hp, dp_partial = _backward_outputs(plan, z, inter)
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
                                      dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
@@ -148,11 +167,10 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
                        z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu"
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows],
-    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]. dz is z,
-    overwritten."""
+    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
-    dz, hp, dp_partial = _backward_outputs(z, inter)
+    dz, hp, dp_partial = _backward_outputs(plan, z, inter)
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
                                         w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(),
                                         hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)

@@ -37,6 +37,7 @@ class RoutingPlan:
 
     expert_counts = _PlanArray()  # [E_local] int32
     expert_offsets = _PlanArray()  # [E_local + 1] int32, multiples of 128
+    compact_offsets = _PlanArray()  # [E_local + 1] int32: prefix sums of expert_counts (z's rows)
     route_to_slot = _PlanArray()  # [T, K] int32, -1 for masked or non-local routes
     slot_to_route = _PlanArray()  # [capacity] int32, -1 for padding rows
     block_expert = _PlanArray()  # [max_blocks] int32, -1 past num_blocks
@@ -82,7 +83,7 @@ class RoutingPlan:
 
 
 # The plan's arrays, in the order of megamoe_routing_plan's pointers.
-PLAN_FIELDS = ("expert_counts", "expert_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
+PLAN_FIELDS = ("expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
                "num_invalid")
 
 
@@ -96,6 +97,7 @@ def pool_capacity(num_routes, num_local_experts: int):
 def _field_shapes(num_tokens, top_k: int, num_local_experts: int) -> dict:
     capacity = pool_capacity(num_tokens * top_k, num_local_experts)
     return {"expert_counts": (num_local_experts,), "expert_offsets": (num_local_experts + 1,),
+            "compact_offsets": (num_local_experts + 1,),
             "route_to_slot": (num_tokens, top_k), "slot_to_route": (capacity,),
             "block_expert": (capacity // _native.BLOCK_M,), "num_blocks": (1,), "num_invalid": (1,)}
 

@@ -71,7 +71,7 @@ struct DeviceBuffer {
 
 // Host copies of a routing plan, for building inputs and references.
 struct Plan {
-  std::vector<int32_t> counts, offsets, block_expert, route_to_slot, slot_to_route;
+  std::vector<int32_t> counts, offsets, compact_offsets, block_expert, route_to_slot, slot_to_route;
   int32_t num_blocks = 0;
   int64_t max_blocks = 0;
 };
@@ -83,16 +83,18 @@ struct DevicePlan {
       : max_blocks(megamoe_routing_max_blocks(&s)),
         counts(s.num_local_experts),
         offsets(s.num_local_experts + 1),
+        compact_offsets(s.num_local_experts + 1),
         route_to_slot(s.num_tokens * s.top_k),
         slot_to_route(megamoe_routing_capacity(&s)),
         block_expert(max_blocks),
         num_blocks(1),
         num_invalid(1),
         workspace(megamoe_routing_workspace_bytes(&s)),
-        plan{counts.ptr,       offsets.ptr,    route_to_slot.ptr, slot_to_route.ptr, block_expert.ptr,
-             num_blocks.ptr,   num_invalid.ptr, workspace.ptr,     s} {}
+        plan{counts.ptr,       offsets.ptr,       compact_offsets.ptr, route_to_slot.ptr, slot_to_route.ptr,
+             block_expert.ptr, num_blocks.ptr,    num_invalid.ptr,     workspace.ptr,     s} {}
   int64_t max_blocks;
-  DeviceBuffer<int32_t> counts, offsets, route_to_slot, slot_to_route, block_expert, num_blocks, num_invalid;
+  DeviceBuffer<int32_t> counts, offsets, compact_offsets, route_to_slot, slot_to_route, block_expert, num_blocks,
+      num_invalid;
   DeviceBuffer<char> workspace;
   megamoe_routing_plan plan;
 };
@@ -106,6 +108,7 @@ inline Plan build_plan(const std::vector<int32_t>& ids, DevicePlan& d) {
   Plan p;
   p.counts = d.counts.download();
   p.offsets = d.offsets.download();
+  p.compact_offsets = d.compact_offsets.download();
   p.block_expert = d.block_expert.download();
   p.route_to_slot = d.route_to_slot.download();
   p.slot_to_route = d.slot_to_route.download();
@@ -201,6 +204,21 @@ inline Comparison compare_rows(const Plan& p, int n, const std::vector<CheckedRo
   }
   r.worst = os.str();
   return r;
+}
+
+// The row of compact z (megamoe.h) that holds real pool row `row`.
+inline int64_t compact_row(const Plan& p, int64_t row) {
+  const int32_t e = p.block_expert[row / MEGAMOE_BLOCK_M];
+  return row - p.offsets[e] + p.compact_offsets[e];
+}
+
+// Every real row of the live blocks with its row of compact z (GEMM1's z).
+inline std::vector<CheckedRow> compact_rows(const Plan& p) {
+  std::vector<CheckedRow> rows;
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (is_real_row(p, row)) rows.push_back({row, compact_row(p, row)});
+  }
+  return rows;
 }
 
 // Every real row of the live blocks, written in place (plain GEMM, SwiGLU).

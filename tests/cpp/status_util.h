@@ -27,7 +27,7 @@ constexpr megamoe_routing_shape kCheckShape{64, 4, 2, 0, 2};
 // A plan for the argument checks: its shape, and every array at check_buf.
 inline megamoe_routing_plan unread_plan(const megamoe_routing_shape& shape = kCheckShape) {
   auto* ints = reinterpret_cast<int32_t*>(check_buf);
-  return {ints, ints, ints, ints, ints, ints, ints, check_buf, shape};
+  return {ints, ints, ints, ints, ints, ints, ints, ints, check_buf, shape};
 }
 
 // One bad call of a plan-consuming entry point: `change` spoils the good plan or arguments.

@@ -81,11 +81,11 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   megamoe_routing_shape shape{p.tokens, p.top_k, p.experts, 0, p.experts};
   const int64_t capacity = megamoe_routing_capacity(&shape), max_blocks = megamoe_routing_max_blocks(&shape);
 
-  std::vector<int32_t> counts(p.experts), offsets(p.experts + 1), route_to_slot(p.ids.size()),
-      slot_to_route(capacity), block_expert(max_blocks);
+  std::vector<int32_t> counts(p.experts), offsets(p.experts + 1), compact_offsets(p.experts + 1),
+      route_to_slot(p.ids.size()), slot_to_route(capacity), block_expert(max_blocks);
   int32_t num_blocks = 0, num_invalid = 0;
-  megamoe_routing_plan host_plan{counts.data(), offsets.data(), route_to_slot.data(), slot_to_route.data(),
-                                 block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
+  megamoe_routing_plan host_plan{counts.data(),       offsets.data(), compact_offsets.data(), route_to_slot.data(),
+                                 slot_to_route.data(), block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
   ASSERT_EQ(megamoe_build_routing_host(p.ids.data(), &host_plan), MEGAMOE_OK);
 
   // The arrays dispatch and combine read, on the device.

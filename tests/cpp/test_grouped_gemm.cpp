@@ -426,8 +426,10 @@ TEST_P(SwigluTest, MatchesHostReference) {
   EXPECT_TRUE(std::all_of(out.begin() + live, out.end(), [](uint16_t v) { return v == kCPoison; }))
       << "rows past num_blocks were written";
 
-  // Keeping z for the backward: the same h bit for bit, and z = g | u.
-  DeviceBuffer<uint16_t> z_dev(d.max_blocks * MEGAMOE_BLOCK_M * 2 * inter);
+  // Keeping z for the backward: the same h bit for bit, and z = g | u in compact rows (one per
+  // route, no padding rows), through 16-row boxes and the one-row stores of each expert's last rows.
+  const int64_t routes = d.plan.shape.num_tokens * d.plan.shape.top_k;
+  DeviceBuffer<uint16_t> z_dev(routes * 2 * inter);
   ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);
   ASSERT_EQ(cudaMemset(z_dev.ptr, 0xFF, z_dev.count * 2), cudaSuccess);
   args.z = z_dev.ptr;
@@ -436,11 +438,12 @@ TEST_P(SwigluTest, MatchesHostReference) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(h_dev.download() == out) << "h changed when z is kept";
   const std::vector<uint16_t> z = z_dev.download();
-  const Comparison rz = compare_rows(p, 2 * inter, real_rows(p), z_ref, z);
+  const Comparison rz = compare_rows(p, 2 * inter, compact_rows(p), z_ref, z);
   EXPECT_EQ(rz.non_finite, 0) << "worst tiles:" << rz.worst;
   EXPECT_LE(rz.rel_error, 1e-2) << "worst tiles:" << rz.worst;
-  EXPECT_TRUE(std::all_of(z.begin() + 2 * live, z.end(), [](uint16_t v) { return v == kCPoison; }))
-      << "z rows past num_blocks were written";
+  const int64_t local_routes = p.compact_offsets.back();
+  EXPECT_TRUE(std::all_of(z.begin() + 2 * inter * local_routes, z.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "z rows past the local routes were written";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(swiglu_cases()),
@@ -475,6 +478,11 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
            "hidden must be a positive multiple of 8 (16-byte bf16 rows), got -128"},
           {[](auto&, auto& a) { a.w13 = check_buf + 4; }, "w13 must be 16-byte aligned"},
           {[](auto&, auto& a) { a.z = check_buf + 4; }, "z must be 16-byte aligned"},
+          {[](auto& pl, auto& a) {
+             a.z = check_buf;
+             pl.compact_offsets = nullptr;
+           },
+           "the plan's expert_offsets and compact_offsets must be non-null (z is compact)"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
           {[](auto& pl, auto& a) {  // 2048 experts x 2 x 2^20 rows of w13
              pl.shape.num_experts = pl.shape.num_local_experts = 2048;

@@ -23,17 +23,17 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct HostPlan {
   megamoe_routing_shape shape;
-  std::vector<int32_t> counts, offsets, route_to_slot, slot_to_route, block_expert;
+  std::vector<int32_t> counts, offsets, compact_offsets, route_to_slot, slot_to_route, block_expert;
   int32_t num_blocks = -1, num_invalid = -1;
 
   explicit HostPlan(const megamoe_routing_shape& s)
       : shape(s), counts(s.num_local_experts, -7), offsets(s.num_local_experts + 1, -7),
-        route_to_slot(s.num_tokens * s.top_k, -7), slot_to_route(megamoe_routing_capacity(&s), -7),
+        compact_offsets(s.num_local_experts + 1, -7), route_to_slot(s.num_tokens * s.top_k, -7), slot_to_route(megamoe_routing_capacity(&s), -7),
         block_expert(megamoe_routing_max_blocks(&s), -7) {}
 
   megamoe_routing_plan view() {
-    return {counts.data(), offsets.data(), route_to_slot.data(), slot_to_route.data(),
-            block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
+    return {counts.data(),       offsets.data(), compact_offsets.data(), route_to_slot.data(), slot_to_route.data(),
+            block_expert.data(), &num_blocks,    &num_invalid,           nullptr,              shape};
   }
 };
 
@@ -91,9 +91,11 @@ void expect_valid_plan(const Case& c, const HostPlan& p) {
   EXPECT_EQ(p.counts, expected_counts);
   EXPECT_EQ(p.num_invalid, invalid);
   EXPECT_EQ(p.offsets[0], 0);
+  EXPECT_EQ(p.compact_offsets[0], 0);
   for (int e = 0; e < s.num_local_experts; ++e) {
     const int32_t padded = (expected_counts[e] + 127) / 128 * 128;
     EXPECT_EQ(p.offsets[e + 1] - p.offsets[e], padded) << "expert " << e;
+    EXPECT_EQ(p.compact_offsets[e + 1] - p.compact_offsets[e], expected_counts[e]) << "expert " << e;
   }
   EXPECT_EQ(p.num_blocks * MEGAMOE_BLOCK_M, p.offsets[s.num_local_experts]);
   ASSERT_LE(p.offsets[s.num_local_experts], megamoe_routing_capacity(&s));
@@ -164,21 +166,22 @@ TEST_P(RoutingTest, CudaPlanMatchesHost) {
   ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &expected_view), MEGAMOE_OK);
 
   DeviceBuffer<int32_t> ids(c.ids.size()), counts(s.num_local_experts),
-      offsets(s.num_local_experts + 1), route_to_slot(c.ids.size()),
+      offsets(s.num_local_experts + 1), compact_offsets(s.num_local_experts + 1), route_to_slot(c.ids.size()),
       slot_to_route(megamoe_routing_capacity(&s)), block_expert(megamoe_routing_max_blocks(&s)),
       scalars(2);
   DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
   if (!c.ids.empty()) {
     ASSERT_EQ(cudaMemcpy(ids.ptr, c.ids.data(), c.ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   }
-  megamoe_routing_plan plan{counts.ptr,       offsets.ptr,      route_to_slot.ptr,
-                            slot_to_route.ptr, block_expert.ptr, scalars.ptr,
-                            scalars.ptr + 1,   workspace.ptr,    s};
+  megamoe_routing_plan plan{counts.ptr,       offsets.ptr,      compact_offsets.ptr, route_to_slot.ptr,
+                            slot_to_route.ptr, block_expert.ptr, scalars.ptr,         scalars.ptr + 1,
+                            workspace.ptr,     s};
   ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   EXPECT_EQ(counts.to_host(), expected.counts);
   EXPECT_EQ(offsets.to_host(), expected.offsets);
+  EXPECT_EQ(compact_offsets.to_host(), expected.compact_offsets);
   EXPECT_EQ(route_to_slot.to_host(), expected.route_to_slot);
   EXPECT_EQ(slot_to_route.to_host(), expected.slot_to_route);
   EXPECT_EQ(block_expert.to_host(), expected.block_expert);
@@ -193,7 +196,7 @@ INSTANTIATE_TEST_SUITE_P(Routings, RoutingTest, ::testing::ValuesIn(cases()),
 TEST(RoutingValidation, RejectsBadShapes) {
   std::vector<int32_t> buf(4096, 0);
   int32_t scalar[2];
-  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
                             scalar,     scalar + 1, buf.data(), {}};
   struct Bad {
     megamoe_routing_shape shape;
@@ -220,8 +223,11 @@ TEST(RoutingValidation, RejectsNullPlan) {
   expect_rejected(megamoe_build_routing_cuda(ids, nullptr, nullptr), "routing: null plan");
   std::vector<int32_t> buf(4096, 0);
   int32_t scalar[2];
-  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), nullptr,
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), nullptr,
                             scalar,     scalar + 1, nullptr,    {4, 8, 16, 0, 16}};
+  expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
+  plan.slot_to_route = buf.data();
+  plan.compact_offsets = nullptr;
   expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
 }
 

@@ -60,7 +60,7 @@ def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_exp
         list(dy.split(tokens_per_rank)), xs, ids, weights, w13s, w2s, activation)
     empty = whole[0].new_empty(0)
     dx, dweight, dw13, dw2 = fused_moe_backward(dy, *whole, activation, "bf16", empty, empty, whole[1].new_empty(0),
-                                                True, True, True, True, None, None)
+                                                False, True, True, True, True, None, None)
     assert torch.equal(torch.cat(dxs), dx)
     assert torch.equal(torch.cat(dweights), dweight)
     assert torch.equal(torch.cat(dw13s), dw13)

@@ -162,8 +162,8 @@ def _entry_points():
     def fused_backward():
         x, ids, weights, w13, w2 = good_inputs()
         empty, no_plan = x.new_empty(0), ids.new_empty(0, dtype=torch.int32)
-        return fused_moe_backward(x, x, ids, weights, w13, w2, "bogus", "bf16", empty, empty, no_plan, True, True,
-                                  True, True, None, None)
+        return fused_moe_backward(x, x, ids, weights, w13, w2, "bogus", "bf16", empty, empty, no_plan, False, True,
+                                  True, True, True, None, None)
 
     def virtual(fn, with_dys=False):
         x, ids, weights, w13, w2 = bf16()

@@ -37,6 +37,8 @@ typedef struct {
 typedef struct {
   int32_t* expert_counts;   // [E_local]      routes per local expert
   int32_t* expert_offsets;  // [E_local + 1]  first pool row of each expert; multiples of BLOCK_M
+  int32_t* compact_offsets; // [E_local + 1]  first row of each expert without padding rows (prefix
+                            //                sums of expert_counts): the rows of GEMM1's z
   int32_t* route_to_slot;   // [T * K]        pool row of route t * K + k, or -1
   int32_t* slot_to_route;   // [capacity]     route of each pool row, -1 for padding rows
   int32_t* block_expert;    // [max_blocks]   local expert of pool block b (rows b*128 .. b*128+127)
@@ -281,9 +283,9 @@ int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, void* stream);
 //   H = act(g) ⊙ u in fp32, rounded once to bf16
 // A [max_blocks * 128, hidden] bf16; w13 [E_local, 2 * intermediate, hidden] bf16 (rows [0, I) =
 // gate, [I, 2I) = up: the gate_up_proj layout); H [max_blocks * 128, intermediate] bf16.
-// z: null, or [max_blocks * 128, 2 * intermediate] bf16 that also receives g | u rounded to bf16
-// (the backward's z_pool, kept instead of recomputed). intermediate and hidden multiples of 8 (of 128
-// in the FP8 version below).
+// z: null, or [T * K, 2 * intermediate] bf16 that also receives g | u rounded to bf16 (the backward's
+// z), compact: the pool's real rows without its padding, pool row expert_offsets[e] + j at row
+// compact_offsets[e] + j. intermediate and hidden multiples of 8 (of 128 in the FP8 version below).
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* a;
@@ -371,24 +373,24 @@ int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan, const meg
 // the epilogue. For every block b < *num_blocks with local expert e = block_expert[b], each of its
 // 128 rows r, p = p_pool[r] (the route's top-k weight, 0 for padding rows) and i in [0, I):
 //   dh = dy_pool[r] · w2[e]                  (w2 [E_local, H, I] as stored: a K = H x N = I matrix)
-//   g, u = z_pool[r, i], z_pool[r, I + i]    (the forward's gate | up pre-activations, bf16)
+//   g, u = z[c, i], z[c, I + i]              (the forward's gate | up pre-activations, bf16, at the
+//                                             compact row c = r - expert_offsets[e] + compact_offsets[e])
 //   h = act(g) u;  dh_w = p dh;  dg = dh_w u act'(g);  du = dh_w act(g)
 //   dz[r, i] = dg, dz[r, I + i] = du, hp[r, i] = p h      (bf16, fp32 math, one rounding each)
 //   dp_partial[r, t] = Σ h dh over i in [128 t, 128 t + 128)   (fp32; t < MEGAMOE_DP_PARTIAL_COLS(I))
 // Rows with p == 0 get dz = hp = 0 exactly. dp[route] = Σ_t dp_partial[slot, t]: megamoe_dp_reduce.
-// dy_pool [max_blocks * 128, hidden], z_pool and dz [max_blocks * 128, 2 * intermediate],
-// hp [max_blocks * 128, intermediate] bf16; p_pool [max_blocks * 128] and
-// dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32. All 16-byte aligned;
-// intermediate and hidden multiples of 8 (of 128 in the FP8 version). Rows of blocks >= *num_blocks
-// are not touched. dz may be z_pool itself: each tile reads its rows and columns of z before it
-// writes the same ones of dz, and no other tile touches them.
+// dy_pool [max_blocks * 128, hidden], dz [max_blocks * 128, 2 * intermediate], hp [max_blocks * 128,
+// intermediate] bf16; z [T * K, 2 * intermediate] bf16, compact as GEMM1 writes it; p_pool
+// [max_blocks * 128] and dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32.
+// All 16-byte aligned; intermediate and hidden multiples of 8 (of 128 in the FP8 version). Rows of
+// blocks >= *num_blocks are not touched.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_DP_PARTIAL_COLS(intermediate) (((intermediate) + 127) / 128)
 
 typedef struct {
   const void* dy_pool;
   const void* w2;
-  const void* z_pool;
+  const void* z;  // [T * K, 2 * intermediate], compact
   const float* p_pool;
   void* dz;
   void* hp;
@@ -410,7 +412,7 @@ typedef struct {
   const float* dy_scales;
   const void* w2t;
   const float* w2t_scales;
-  const void* z_pool;
+  const void* z;  // [T * K, 2 * intermediate], compact
   const float* p_pool;
   void* dz;
   void* hp;

@@ -136,14 +136,37 @@ struct InHalf {
   }
 };
 
+// Which of a warp's 16 rows tma_store_chunks stores: all of them, or (RowsBefore) those before
+// `end`, a warp whose rows cross it storing them one by one through `row_map`, a map of the same
+// tensor with one-row boxes. The 128B swizzle follows the shared-memory address, so row r of the
+// staged box, at r * 128 bytes, is exactly what a one-row box there holds.
+struct AllRows {
+  template <class Where>
+  __device__ void store(const CUtensorMap* map, uint8_t* box, int col, int row, Where where) const {
+    where.store(map, box, col, row);
+  }
+};
+struct RowsBefore {
+  const CUtensorMap* row_map;
+  int end;
+  template <class Where>
+  __device__ void store(const CUtensorMap* map, uint8_t* box, int col, int row, Where where) const {
+    if (row + kWarpRows <= end) {
+      where.store(map, box, col, row);
+      return;
+    }
+    for (int r = 0; r < end - row; ++r) where.store(row_map, box + r * kSwizzleBytes, col, row + r);
+  }
+};
+
 // Stores packed fragment columns [0, 64 Chunks) of the warpgroup's rows to C[row0.., col0..] by
-// TMA (where: InMatrix, InPlane or InHalf), each warp its own 16 rows (tma_c has 16-row boxes): a
-// warp stages only its rows of the chunk buffer, so it needs no other warp before it stages or
-// issues its store.
-template <int Chunks, int M, class Smem, class Where = InMatrix>
+// TMA (where: InMatrix, InPlane or InHalf; rows: AllRows or RowsBefore), each warp its own 16 rows
+// (tma_c has 16-row boxes): a warp stages only its rows of the chunk buffer, so it needs no other
+// warp before it stages or issues its store.
+template <int Chunks, int M, class Smem, class Where = InMatrix, class Rows = AllRows>
 __device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], const CUtensorMap* tma_c,
                                                  const Smem& smem, int warpgroup, int row0, int col0,
-                                                 Where where = {}) {
+                                                 Where where = {}, Rows rows = {}) {
   static_assert(Chunks % kEpiBuffers == 0, "chunk buffers must line up with tiles");
   static_assert(Chunks * kEpiCols * kWarpgroupRows <= M * 256, "more columns than the fragment holds");
   const int warp = (threadIdx.x / 32) % 4;
@@ -159,7 +182,7 @@ __device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], co
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     __syncwarp();
     if (leader) {
-      where.store(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols, row0 + warp * kWarpRows);
+      rows.store(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols, row0 + warp * kWarpRows, where);
       cute::tma_store_arrive();
     }
   }

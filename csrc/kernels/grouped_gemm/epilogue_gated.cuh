@@ -11,8 +11,9 @@
 // m64n128 fragment of the 128-column h tile, which the plain chunk store writes (deferred: below).
 //
 // KeepZ (training): the same halves, rounded to bf16 before the activation, are also stored as z = gate | up
-// [rows, 2I], the backward's input, so the backward does not recompute x·w13ᵀ; through a map of its
-// two halves (tensor_map.h), so the last tile of an I that is not a multiple of 128 stops at I.
+// [T·K, 2I], the backward's input, so the backward does not recompute x·w13ᵀ; through a map of its
+// two halves (tensor_map.h), so the last tile of an I that is not a multiple of 128 stops at I. z is
+// compact (compact_rows.cuh): a block's rows go to z shifted, and its padding rows nowhere.
 //
 // When I is not a multiple of 128, the last tile's gate box reaches into the expert's up rows and its
 // up box into the next expert's gate rows (or past w13, zeros): those columns of the tile are past I,
@@ -20,6 +21,7 @@
 #pragma once
 
 #include "kernels/grouped_gemm/activation.cuh"
+#include "kernels/grouped_gemm/compact_rows.cuh"
 #include "kernels/grouped_gemm/epilogue.cuh"
 
 namespace megamoe::grouped_gemm {
@@ -39,38 +41,70 @@ struct GatedTile {
   // expert's 2I rows of w13.
   static BRows b_rows(const PoolProblem& p) { return {2 * p.n, p.n}; }
 
-  // z [pool rows, 2I] bf16 as its two halves, 16-row x 64-column boxes (tma_store_chunks).
-  static int z_params(const PoolProblem& p, void* z, CUtensorMap* map) {
-    if (!KeepZ) return MEGAMOE_OK;
-    return make_halves_tensor_map(map, z, p.rows, uint64_t(p.n), kWarpRows, p.fn, "z");
+  // z [T·K, 2I] bf16 as its two halves: 16-row x 64-column boxes (tma_store_chunks), one-row boxes
+  // for the rows of a warp that crosses its expert's last row, and the plan's compact offsets.
+  struct ZParams {
+    CUtensorMap boxes;
+    CUtensorMap rows;
+    CompactRows compact;
+  };
+  static int check_z(const PoolProblem& p, const void* z) {
+    if constexpr (KeepZ) {
+      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{z, "z"}}));
+      return CompactRows::check(p.fn, *p.plan);
+    } else {
+      return MEGAMOE_OK;
+    }
   }
+  static int z_params(const PoolProblem& p, void* z, ZParams* params) {
+    if constexpr (KeepZ) {
+      const uint64_t rows = uint64_t(routing::num_routes(p.plan->shape));
+      params->compact = CompactRows::of(*p.plan);
+      MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->boxes, z, rows, uint64_t(p.n), kWarpRows, p.fn, "z"));
+      return make_halves_tensor_map(&params->rows, z, rows, uint64_t(p.n), 1, p.fn, "z");
+    } else {
+      return MEGAMOE_OK;
+    }
+  }
+
+  // Per tile (KeepZ): where its block's rows go in z.
+  struct Rows {
+    CompactRows::Block z;
+  };
 
   // z's gate and up halves of the tile, rounded to bf16 (KeepZ): stored right after the main loop,
   // since their 64 packed registers would not fit beside the next tile's accumulators.
-  __device__ static void store_z(const float (&acc)[Cfg::kAccumulators], const CUtensorMap* z,
-                                 const SharedStorage<Cfg>& smem, int warpgroup, int row0, int n_tile) {
+  __device__ static void store_z(const float (&acc)[Cfg::kAccumulators], const ZParams& z,
+                                 const SharedStorage<Cfg>& smem, int warpgroup, int row0, int n_tile, Rows rows) {
     if constexpr (KeepZ) {
       using Half = const float(&)[kHalf];
       uint32_t packed[kHalf / 2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // gate, then up
         pack_fragment(reinterpret_cast<Half>(acc[half * kHalf]), packed);
-        tma_store_chunks<kHCols / kEpiCols>(packed, z, smem, warpgroup, row0, n_tile * kHCols, InHalf{half});
+        tma_store_chunks<kHCols / kEpiCols>(packed, &z.boxes, smem, warpgroup, row0 - rows.z.shift, n_tile * kHCols,
+                                            InHalf{half}, RowsBefore{&z.rows, rows.z.end});
       }
     }
   }
 
-  // Both keep nothing per tile, read their TMA maps h and z (KeepZ), and defer h's store (kernel.cuh).
-  struct Rows {};
+  // Both read their TMA maps h and z (KeepZ) and defer h's store (kernel.cuh).
   static constexpr bool kDeferred = true;
   template <class Params>
   __device__ static void prefetch(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
-    if constexpr (KeepZ) cute::prefetch_tma_descriptor(&p.z);
+    if constexpr (KeepZ) {
+      cute::prefetch_tma_descriptor(&p.z.boxes);
+      cute::prefetch_tma_descriptor(&p.z.rows);
+    }
   }
   template <class Params>
-  __device__ static Rows prepare(const Params&, const PoolTile&, int) {
-    return {};
+  __device__ static Rows prepare(const Params& p, const PoolTile& t, int) {
+    if constexpr (KeepZ) {
+      return {p.z.compact.block(t.block)};
+    } else {
+      return {};
+    }
   }
 
   // h = act(g) · u in fp32, an m64n128 fragment of the tile's 128 h columns.
@@ -88,17 +122,17 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   using Tile::kHCols;
   struct Arguments {
     void* h;  // [pool rows, I] bf16
-    void* z;  // [pool rows, 2I] bf16 (KeepZ only)
+    void* z;  // [T·K, 2I] bf16, compact (KeepZ only)
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
-    CUtensorMap z;  // [max_blocks * 128, 2I] as its two halves (KeepZ only)
+    typename Tile::ZParams z;  // (KeepZ only)
   };
   using typename Tile::Rows;
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
-    if (KeepZ) return check_pointers(p.fn, {{args.h, "h"}, {args.z, "z"}});
-    return check_pointers(p.fn, {{args.h, "h"}});
+    MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.h, "h"}}));
+    return Tile::check_z(p, args.z);
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     *params = Params{};
@@ -114,9 +148,9 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   };
 
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                                   const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
+                                   const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    Tile::store_z(acc, &p.z, smem, warpgroup, row0, t.n_tile);
+    Tile::store_z(acc, p.z, smem, warpgroup, row0, t.n_tile, rows);
     float h[kHalf];
     Tile::activate(acc, h);
     Pending pending;

@@ -1,11 +1,12 @@
 // dh epilogue of the backward: dh = dy_pool · w2[e] (fp32 accumulators, MN-major B), then per pool
-// row r (topk weight p = p_pool[r]) and column i of the tile, with g, u from z_pool (bf16 -> fp32)
-// and the gate's activation Act (activation.cuh):
+// row r (topk weight p = p_pool[r]) and column i of the tile, with g, u from z (bf16 -> fp32, compact:
+// compact_rows.cuh) and the gate's activation Act (activation.cuh):
 //   h = act(g) · u
 //   dp_partial[r, q] = Σ_i h · dh over i in [128 q, 128 q + 128)   (fixed order)
 //   dh_w = p · dh,  dg = dh_w · u · act'(g),  du = dh_w · act(g),  hp = p · h
 //   dz[r, n0 + i] = dg, dz[r, I + n0 + i] = du, hp[r, n0 + i] = hp   (bf16, one rounding each)
-// Rows with p == 0 (padding rows, or a zero weight) get dz = hp = 0 exactly, whatever z holds.
+// Rows with p == 0 (padding rows, or a zero weight) get dz = hp = 0 exactly, whatever z holds: a
+// block's padding rows read the next expert's rows of z (or zeros past its end).
 //
 // The tile's dh columns [n0, n0 + BLOCK_N) need the same columns of g and u: 2 x BLOCK_N bf16 per row,
 // too many to hold in registers next to 128 x 256 accumulators. So z comes through the operand ring:
@@ -25,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/grouped_gemm/activation.cuh"
+#include "kernels/grouped_gemm/compact_rows.cuh"
 #include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
@@ -35,7 +37,8 @@ namespace megamoe::grouped_gemm {
 struct GatedBackwardParams {
   CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 64 x 64 boxes
   CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
-  CUtensorMap z;      // [max_blocks * 128, 2I] as its two halves, 128 x 64 boxes (read through the ring)
+  CUtensorMap z;      // [T·K, 2I] as its two halves, 128 x 64 boxes (read through the ring)
+  CompactRows z_rows;  // where a pool block's rows are in z
   const float* p;     // [max_blocks * 128]
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
   int intermediate;
@@ -58,7 +61,7 @@ struct GatedBackwardEpilogue {
   static constexpr int kTileN = BlockN;
   using Params = GatedBackwardParams;
   struct Arguments {
-    const void* z;           // [pool rows, 2I] bf16: the forward's gate | up
+    const void* z;           // [T·K, 2I] bf16: the forward's gate | up, compact
     const float* p;          // [pool rows]
     void* dz;                // [pool rows, 2I] bf16
     void* hp;                // [pool rows, I] bf16
@@ -66,14 +69,17 @@ struct GatedBackwardEpilogue {
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
-    return check_pointers(p.fn, {{args.z, "z_pool"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
-                                 {args.dp_partial, "dp_partial"}});
+    MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
+                                                 {args.dp_partial, "dp_partial"}}));
+    return CompactRows::check(p.fn, *p.plan);
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     const uint64_t i = uint64_t(p.n);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
-    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, p.rows, i, kBlockM, p.fn, "z_pool"));
+    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, uint64_t(routing::num_routes(p.plan->shape)),
+                                                   i, kBlockM, p.fn, "z"));
+    params->z_rows = CompactRows::of(*p.plan);
     params->p = args.p;
     params->dp_partial = args.dp_partial;
     params->intermediate = p.n;
@@ -102,14 +108,15 @@ struct GatedBackwardEpilogue {
   // Producer side: the tile's z chunks, g into the stage's A slot and u into its B slot.
   template <class Smem, int Stages>
   __device__ static void load_ring(const Params& p, const PoolTile& t, const Smem& smem, PipelineState<Stages>& state) {
+    const int z_row = t.block * kBlockM - p.z_rows.block(t.block).shift;
 #pragma unroll 1
     for (int c = 0; c < kChunks; ++c) {
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
       uint64_t* full = smem.full(state.stage);
       Barrier::arrive_and_expect_tx(full, 2 * kZBoxBytes);
       const int col = t.n_tile * BlockN + c * kEpiCols;
-      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.a(state.stage), col, 0, t.block * kBlockM);
-      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.b(state.stage), col, 1, t.block * kBlockM);
+      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.a(state.stage), col, 0, z_row);
+      cute::SM90_TMA_LOAD_3D::copy(&p.z, full, kTmaCacheHint, smem.b(state.stage), col, 1, z_row);
       state.advance();
     }
   }

@@ -30,11 +30,11 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
   struct Arguments {
     void* h;          // [pool rows, I] e4m3
     float* h_scales;  // [I / 128, pool rows]
-    void* z;          // [pool rows, 2I] bf16 (KeepZ only)
+    void* z;          // [T·K, 2I] bf16, compact (KeepZ only)
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I] e4m3, 16-row x 128-byte boxes
-    CUtensorMap z;  // (KeepZ only)
+    typename Tile::ZParams z;  // (KeepZ only)
     float* h_scales;
     int pool_rows;
   };
@@ -42,8 +42,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.h, "h"}, {args.h_scales, "h_scales"}}));
-    if (KeepZ) return check_pointers(p.fn, {{args.z, "z"}});
-    return MEGAMOE_OK;
+    return Tile::check_z(p, args.z);
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     *params = Params{};
@@ -61,9 +60,9 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
   };
 
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p,
-                                   const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows) {
+                                   const SharedStorage<Cfg>& smem, int warpgroup, const PoolTile& t, Rows rows) {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    Tile::store_z(acc, &p.z, smem, warpgroup, row0, t.n_tile);
+    Tile::store_z(acc, p.z, smem, warpgroup, row0, t.n_tile, rows);
     float h[kHalf];
     Tile::activate(acc, h);
     float amax[2] = {0.f, 0.f};  // per row half

@@ -14,7 +14,7 @@ namespace {
 template <class Epi>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
-  return run_pool_gemm<Epi>(p, operands, {args.z_pool, args.p_pool, args.dz, args.hp, args.dp_partial}, stream);
+  return run_pool_gemm<Epi>(p, operands, {args.z, args.p_pool, args.dz, args.hp, args.dp_partial}, stream);
 }
 
 }  // namespace
@@ -46,7 +46,7 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
     using Act = decltype(act);
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
-      return run_pool_gemm_fp8<Epi>(p, operands, {args->z_pool, args->p_pool, args->dz, args->hp, args->dp_partial},
+      return run_pool_gemm_fp8<Epi>(p, operands, {args->z, args->p_pool, args->dz, args->hp, args->dp_partial},
                                     scales, stream);
     };
     return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>>{})
