@@ -9,10 +9,11 @@ functions go under a torch.autograd.Function instead, which spares the host the 
 
 Backward (a second op): the forward's routing plan (kept: one int32 buffer), gather dy (and each
 row's topk weight p), take the pool of x and z = x·w13ᵀ (gate | up, one row per route: compact, see
-gemm.empty_z) as the forward kept them, or gather and recompute them (recompute=True: only the inputs and the plan are kept, at the
-price of a gather and a GEMM), then dh = dy·w2 with the activation's backward, p·h and dp partials
-in its epilogue → dp (fixed-order reduce); dx per route = dz·w13 scattered to (token, k) rows and
-combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows. Deterministic: no atomics anywhere.
+gemm.empty_z) as the forward kept them, or gather and recompute them (recompute=True: only the inputs
+and the plan are kept, at the price of a gather and a GEMM), then dh = dy·w2 with the activation's
+backward, p·h and dp partials in its epilogue → dp (fixed-order reduce); dx per route = dz·w13
+scattered to (token, k) rows and combined; dw2 and dw13 as K-grouped GEMMs over each expert's rows.
+Deterministic: no atomics anywhere.
 
 Block FP8 (DeepSeek-V3 recipe; precision "fp8": forward and backward, "fp8_bwd": the bf16 forward and
 the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and dispatched in e4m3 with

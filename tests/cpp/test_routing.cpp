@@ -28,8 +28,8 @@ struct HostPlan {
 
   explicit HostPlan(const megamoe_routing_shape& s)
       : shape(s), counts(s.num_local_experts, -7), offsets(s.num_local_experts + 1, -7),
-        compact_offsets(s.num_local_experts + 1, -7), route_to_slot(s.num_tokens * s.top_k, -7), slot_to_route(megamoe_routing_capacity(&s), -7),
-        block_expert(megamoe_routing_max_blocks(&s), -7) {}
+        compact_offsets(s.num_local_experts + 1, -7), route_to_slot(s.num_tokens * s.top_k, -7),
+        slot_to_route(megamoe_routing_capacity(&s), -7), block_expert(megamoe_routing_max_blocks(&s), -7) {}
 
   megamoe_routing_plan view() {
     return {counts.data(),       offsets.data(), compact_offsets.data(), route_to_slot.data(), slot_to_route.data(),

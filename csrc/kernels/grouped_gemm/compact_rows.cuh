@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "megamoe/megamoe.h"
+#include "routing/routing.h"
 
 namespace megamoe::grouped_gemm {
 
@@ -27,6 +28,12 @@ struct CompactRows {
   }
   static CompactRows of(const megamoe_routing_plan& plan) {
     return {plan.block_expert, plan.expert_offsets, plan.compact_offsets};
+  }
+  // z's rows for its TMA maps: T·K, or one for a plan without routes (no tile reads or writes z then,
+  // but a map needs a row).
+  static uint64_t rows(const megamoe_routing_plan& plan) {
+    const int64_t routes = routing::num_routes(plan.shape);
+    return uint64_t(routes > 0 ? routes : 1);
   }
 
   struct Block {

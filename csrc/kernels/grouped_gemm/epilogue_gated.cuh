@@ -58,7 +58,7 @@ struct GatedTile {
   }
   static int z_params(const PoolProblem& p, void* z, ZParams* params) {
     if constexpr (KeepZ) {
-      const uint64_t rows = uint64_t(routing::num_routes(p.plan->shape));
+      const uint64_t rows = CompactRows::rows(*p.plan);
       params->compact = CompactRows::of(*p.plan);
       MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->boxes, z, rows, uint64_t(p.n), kWarpRows, p.fn, "z"));
       return make_halves_tensor_map(&params->rows, z, rows, uint64_t(p.n), 1, p.fn, "z");

@@ -77,8 +77,8 @@ struct GatedBackwardEpilogue {
     const uint64_t i = uint64_t(p.n);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
-    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, uint64_t(routing::num_routes(p.plan->shape)),
-                                                   i, kBlockM, p.fn, "z"));
+    const uint64_t z_rows = CompactRows::rows(*p.plan);
+    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, z_rows, i, kBlockM, p.fn, "z"));
     params->z_rows = CompactRows::of(*p.plan);
     params->p = args.p;
     params->dp_partial = args.dp_partial;
