@@ -17,6 +17,7 @@ def check_plan(plan, ids, num_experts, expert_begin=0):
     assert torch.equal(plan.expert_counts.long(), counts)
     padded = (counts + 127) // 128 * 128
     assert torch.equal(plan.expert_offsets.long(), torch.cat([torch.zeros(1), padded.cumsum(0)]).long())
+    assert torch.equal(plan.compact_offsets.long(), torch.cat([torch.zeros(1), counts.cumsum(0)]).long())
     slots = plan.route_to_slot.flatten().long()
     assert torch.all(slots[~is_local] == -1)
     assert torch.equal(plan.slot_to_route[slots[is_local]].long(), is_local.nonzero().flatten())
