@@ -83,8 +83,8 @@ class RoutingPlan:
 
 
 # The plan's arrays, in the order of megamoe_routing_plan's pointers.
-PLAN_FIELDS = ("expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert", "num_blocks",
-               "num_invalid")
+PLAN_FIELDS = ("expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert",
+               "num_blocks", "num_invalid")
 
 
 def pool_capacity(num_routes, num_local_experts: int):
