@@ -155,6 +155,7 @@ struct RowsBefore {
       where.store(map, box, col, row);
       return;
     }
+#pragma unroll 1
     for (int r = 0; r < end - row; ++r) where.store(row_map, box + r * kSwizzleBytes, col, row + r);
   }
 };
