@@ -183,7 +183,9 @@ def test_ep_bench_runs_on_one_gpu(tmp_path):
                     "--warmup-seconds", "0", "--budget", "0.1", "--out", str(tmp_path)]) == 0
     (record,) = json.loads((tmp_path / "ep_latest.json").read_text())["records"]
     assert record["world"] == 2
-    assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms"))
+    assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms", "local_fwd_ms",
+                                       "local_fwdbwd_ms"))
+    assert record["exposed_fwd"] == 1 - record["local_fwd_ms"] / record["fwd_ms"]
 
 
 def test_ep_bench_checks_its_world_before_starting(tmp_path):

@@ -12,6 +12,10 @@ routes tokens / W tokens over all E experts and holds E / W of them. Every rank 
 on the numbers of warm-up and timed iterations that fill --warmup-seconds and --budget, so the layer
 is timed sustained, as in `python -m megamoe.bench`. A layer's time is the slowest rank's median.
 Rank 0 first times the single-GPU fused layer on the whole batch with the same routing (sustained).
+Every rank also times its share of the work without the exchange (`local_*`): the fused layer on its
+own GPU over the whole batch with only the routes to its own experts kept (the rest masked), the same
+rows through the same GEMMs as its part of the group's layer. The group's time minus that is the
+communication the layer does not hide (`exposed_*`, a share of the group's time).
 The all-to-all path needs a backend whose all-to-all takes the tensors' device (NCCL on GPUs); where
 it cannot run (gloo with GPU tensors, --one-gpu), the record says why.
 """
@@ -117,6 +121,10 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                           ((x, mine), (weights, mine), (w13, experts), (w2, experts))]
                 ep = _time(lambda: megamoe.moe(params[0], ids[mine], *params[1:], group=dist.group.WORLD), params,
                            dy[mine], device, agreed)
+                local_ids = torch.where((ids >= experts.start) & (ids < experts.stop), ids - experts.start, -1)
+                own = [t.clone().requires_grad_() for t in (x, weights, w13[experts], w2[experts])]
+                alone = _time(lambda: megamoe.moe(own[0], local_ids, *own[1:]), own, dy, device, agreed)
+                ep |= {f"local_{k}": v for k, v in alone.items()}
                 try:
                     a2a = _time(lambda: all_to_all_moe(params[0], ids[mine], *params[1:], dist.group.WORLD), params,
                                 dy[mine], device, agreed)
@@ -126,6 +134,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                 slowest = [None] * world
                 dist.all_gather_object(slowest, ep)
                 record.update({k: max(r[k] for r in slowest) for k in ep})
+                record.update({f"exposed_{mode}": 1 - record[f"local_{mode}_ms"] / record[f"{mode}_ms"]
+                               for mode in ("fwd", "fwdbwd")})
                 records.append(record)
     if rank == 0:
         Path(out).write_text(json.dumps({"gpu": device.name(), "records": records}))
@@ -162,12 +172,14 @@ def main(argv=None) -> int:
     result.update({**provenance(result["gpu"], "megamoe.bench.ep", argv), "one_gpu": args.one_gpu})
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'preset':16} {'tokens':>6} {'routing':9} {'W':>2} {'1 GPU fwd':>10} {'fwd+bwd':>8} "
-          f"{'EP fwd':>8} {'fwd+bwd':>8} {'a2a fwd':>8} {'fwd+bwd':>8}")
+          f"{'EP fwd':>8} {'fwd+bwd':>8} {'local fwd':>9} {'fwd+bwd':>8} {'exposed':>7} {'':>5} "
+          f"{'a2a fwd':>8} {'fwd+bwd':>8}")
     for r in result["records"]:
         a2a = (f"{r['all_to_all_fwd_ms']:8.2f} {r['all_to_all_fwdbwd_ms']:8.2f}" if "all_to_all_fwd_ms" in r
                else f"  all-to-all skipped: {r['all_to_all_skipped'][:60]}")
         print(f"{r['preset']:16} {r['tokens']:>6} {r['routing']:9} {r['world']:>2} {r['one_gpu_fwd_ms']:10.2f} "
-              f"{r['one_gpu_fwdbwd_ms']:8.2f} {r['fwd_ms']:8.2f} {r['fwdbwd_ms']:8.2f} {a2a}")
+              f"{r['one_gpu_fwdbwd_ms']:8.2f} {r['fwd_ms']:8.2f} {r['fwdbwd_ms']:8.2f} {r['local_fwd_ms']:9.2f} "
+              f"{r['local_fwdbwd_ms']:8.2f} {r['exposed_fwd']:7.1%} {r['exposed_fwdbwd']:5.1%} {a2a}")
     print(f"wrote {result_path}")
     return 0
 
