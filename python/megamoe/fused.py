@@ -19,8 +19,8 @@ Block FP8 (DeepSeek-V3 recipe; precision "fp8": forward and backward, "fp8_bwd":
 the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and dispatched in e4m3 with
 their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come
 from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
-(dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dz is quantised per row for dx
-by a pass of its own.
+(dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dh's epilogue also quantises
+dz per row for dx.
 The weight gradients stay bf16 GEMMs on the bf16 rows of x, dy, p·h and dz. Kept for the backward in
 "fp8": z (bf16) and the plan; the backward dispatches x again, in bf16, for dW13 (x's e4m3 pool
 would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes).
@@ -171,7 +171,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     if fp8_backward:
         dy_fp8, dy_scales = dispatch_fp8(plan, dy)
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
-        dz, hp, dp_partial = gated_backward_fp8(dy_fp8, dy_scales, w2t, w2t_scales, z, p_pool, plan, activation)
+        dz, dz_fp8, hp, dp_partial = gated_backward_fp8(dy_fp8, dy_scales, w2t, w2t_scales, z, p_pool, plan,
+                                                        activation)
         del dy_fp8, dy_scales
     else:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
@@ -192,7 +193,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         routed = _routed(plan, x)
         if fp8_backward:
             w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
-            grouped_gemm_scatter_fp8(*fp8.quantize_rows(dz), w13t, w13t_scales, plan, routed)
+            grouped_gemm_scatter_fp8(*dz_fp8, w13t, w13t_scales, plan, routed)
+            del dz_fp8
         else:
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))

@@ -165,18 +165,23 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
 
 def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torch.Tensor, w2t_scales: torch.Tensor,
                        z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu"
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows],
-    w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]."""
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(dz, (dz_q, dz_scales), hp, dp partials): gated_backward with dh in block FP8, dy_pool [rows, H]
+    e4m3 with dy_scales [H / 128, rows], w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales
+    [E_local, I / 128, H / 128]; dz also in e4m3 for dx, dz_q [rows, 2I] with dz_scales [2I / 128, rows]
+    (the bytes fp8.quantize_rows makes of dz)."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
     dz, hp, dp_partial = _backward_outputs(plan, z, inter)
+    dz_q = torch.empty(dz.shape, dtype=torch.float8_e4m3fn, device=dz.device)
+    dz_scales = torch.empty(2 * inter // 128, dz.shape[0], dtype=torch.float32, device=dz.device)
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
                                         w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(),
-                                        hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
+                                        hp.data_ptr(), dp_partial.data_ptr(), dz_q.data_ptr(), dz_scales.data_ptr(),
+                                        inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
-    return dz, hp, dp_partial
+    return dz, (dz_q, dz_scales), hp, dp_partial
 
 
 def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:

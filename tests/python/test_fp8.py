@@ -3,7 +3,7 @@ import torch
 
 from megamoe import fp8
 from megamoe.exchange import dispatch, dispatch_fp8
-from megamoe.gemm import grouped_gemm_fp8
+from megamoe.gemm import gated_backward_fp8, grouped_gemm_fp8
 from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import make_routing
@@ -88,6 +88,29 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     assert scales[-1, slot].isnan()
     if hidden > fp8.BLOCK:  # the NaN's block only: the row's first block is another one
         assert scales[0, slot].isfinite()
+
+
+@requires_cuda
+# BLOCK_N 256 (two 128-column blocks of dg and of du per tile), 128 (I = 384: one each), two tiles.
+@pytest.mark.parametrize("inter", [256, 384, 512])
+def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
+    """The FP8 dh epilogue's e4m3 dz and scales are the bytes fp8.quantize_rows makes of its bf16 dz:
+    padding rows (zeros, scale 1) and a token whose dy holds a NaN (non-finite blocks) included."""
+    tokens, experts, hidden = 300, 8, 256
+    ids, weights = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(5))
+    plan = build_routing(ids.cuda(), experts)
+    dy = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    dy[3, 5] = float("nan")
+    _, p_pool = dispatch(plan, dy, weights.cuda())
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
+    w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+    z = (torch.randn(plan.num_routes, 2 * inter, device="cuda") * 3).bfloat16()  # compact, as GEMM1 keeps it
+    dz, (dz_q, dz_scales), _, _ = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan)
+    q, scales = fp8.quantize_rows(dz)
+    live = int(plan.num_blocks) * 128
+    assert torch.equal(dz_q[:live].view(torch.uint8), q[:live].view(torch.uint8))
+    assert torch.equal(dz_scales[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
+    assert dz_scales[:, int(plan.route_to_slot[3, 0])].isnan().any()
 
 
 # --- The weight-quantisation cache ---------------------------------------------------------------

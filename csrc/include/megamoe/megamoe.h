@@ -406,7 +406,9 @@ int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
 // The same with dh in block FP8: dy_pool [max_blocks * 128, hidden] e4m3 with dy_scales
 // [hidden / 128, max_blocks * 128]; w2t [E_local, intermediate, hidden] e4m3, w2 transposed (FP8 tensor
 // cores read both operands K-major), with w2t_scales [E_local, intermediate / 128, hidden / 128]. The
-// epilogue and every other argument as in the bf16 version.
+// epilogue and every other argument as in the bf16 version; besides, dz in block FP8 for dx: dz_q
+// [max_blocks * 128, 2 * intermediate] e4m3 with dz_scales [2 * intermediate / 128, max_blocks * 128],
+// the bytes megamoe_quantize_rows_fp8 makes of the bf16 dz.
 typedef struct {
   const void* dy_pool;
   const float* dy_scales;
@@ -417,6 +419,8 @@ typedef struct {
   void* dz;
   void* hp;
   float* dp_partial;
+  void* dz_q;
+  float* dz_scales;
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward

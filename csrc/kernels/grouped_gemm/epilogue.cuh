@@ -70,6 +70,15 @@ __device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
   return v;
 }
 
+__device__ __forceinline__ void store_shared_u16(uint8_t* p, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(p)), "h"(v));
+}
+
+// Byte column `col` of row `row` of a 128-byte-wide box (e4m3) in the 128B swizzle.
+__device__ __forceinline__ uint8_t* swizzled_byte(uint8_t* box, int row, int col) {
+  return box + row * kSwizzleBytes + (((col / 16) ^ (row % 8)) * 16) + col % 16;
+}
+
 // Named barrier over one math warpgroup (id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));

@@ -21,6 +21,9 @@
 // dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
 // deterministic, and the same sums in the same order for either BLOCK_N.
+// Block FP8 also stores dz in e4m3 for dx, one scale per row and 128 columns (quantize_block.cuh):
+// after each odd chunk, the block of it and the chunk before, read back from their stages once the
+// first one's bf16 stores have left, so no pass of its own reads dz again.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +33,7 @@
 #include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
+#include "kernels/grouped_gemm/quantize_block.cuh"
 
 namespace megamoe::grouped_gemm {
 
@@ -39,9 +43,12 @@ struct GatedBackwardParams {
   CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
   CUtensorMap z;      // [T·K, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   CompactRows z_rows;  // where a pool block's rows are in z
+  CUtensorMap dz_q;   // block FP8: [max_blocks * 128, 2I] e4m3, 64 x 128-byte boxes
+  float* dz_scales;   // block FP8: [2I / 128, max_blocks * 128]
   const float* p;     // [max_blocks * 128]
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
   int intermediate;
+  int pool_rows;
 };
 
 // The problem's N is I (columns of dh), its K the hidden size. C: the main loop's config, BF16
@@ -59,6 +66,7 @@ struct GatedBackwardEpilogue {
   static_assert(kEpiBuffers == 2 && kChunks % 2 == 0, "chunk c reuses chunk c - 2's hp buffer");
   static_assert(Cfg::kStages > 2, "the epilogue holds two stages while it waits for a third");
   static constexpr int kTileN = BlockN;
+  static constexpr bool kQuantizeDz = Cfg::kFp8;
   using Params = GatedBackwardParams;
   struct Arguments {
     const void* z;           // [T·K, 2I] bf16: the forward's gate | up, compact
@@ -66,11 +74,16 @@ struct GatedBackwardEpilogue {
     void* dz;                // [pool rows, 2I] bf16
     void* hp;                // [pool rows, I] bf16
     float* dp_partial;       // [pool rows, MEGAMOE_DP_PARTIAL_COLS(I)]
+    void* dz_q;              // block FP8: [pool rows, 2I] e4m3
+    float* dz_scales;        // block FP8: [2I / 128, pool rows]
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
                                                  {args.dp_partial, "dp_partial"}}));
+    if constexpr (kQuantizeDz) {
+      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz_q, "dz_q"}, {args.dz_scales, "dz_scales"}}));
+    }
     return CompactRows::check(p.fn, *p.plan);
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
@@ -83,6 +96,11 @@ struct GatedBackwardEpilogue {
     params->p = args.p;
     params->dp_partial = args.dp_partial;
     params->intermediate = p.n;
+    params->pool_rows = int(p.rows);
+    if constexpr (kQuantizeDz) {
+      params->dz_scales = args.dz_scales;
+      return make_fp8_tensor_map(&params->dz_q, args.dz_q, p.rows, 2 * i, kWarpgroupRows, p.fn, "dz_q");
+    }
     return MEGAMOE_OK;
   }
 
@@ -98,6 +116,7 @@ struct GatedBackwardEpilogue {
     cute::prefetch_tma_descriptor(&p.dz);
     cute::prefetch_tma_descriptor(&p.hp);
     cute::prefetch_tma_descriptor(&p.z);
+    if constexpr (kQuantizeDz) cute::prefetch_tma_descriptor(&p.dz_q);
   }
 
   __device__ static Rows prepare(const Params& p, const PoolTile& t, int warpgroup) {
@@ -126,7 +145,9 @@ struct GatedBackwardEpilogue {
   }
 
   // Chunk c's stage is held until the TMA stores that read dg and du from it are done: released
-  // at chunk c + 2 (whose hp buffer is chunk c's) or, for the last two, at the end of the tile.
+  // at chunk c + 2 (whose hp buffer is chunk c's) or, for the last two, at the end of the tile. In
+  // block FP8 an even chunk's stage also holds its block's e4m3 dz, stored after the odd chunk's
+  // bf16 stores: the next even chunk waits for every store before it releases the stage.
   template <class Smem, int Stages>
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const Smem& smem, int warpgroup,
                                const PoolTile& t, const Rows& rows, PipelineState<Stages>& state) {
@@ -142,7 +163,13 @@ struct GatedBackwardEpilogue {
       Barrier::wait(smem.full(state.stage), state.phase);
       state.advance();
       if (c >= 2) {
-        if (leader) cute::tma_store_wait<1>();  // chunk c - 2's stores have read their shared memory
+        if (leader) {  // chunk c - 2's stores have read their shared memory (and in FP8 its block's e4m3 dz)
+          if (kQuantizeDz && c % 2 == 0) {
+            cute::tma_store_wait<0>();
+          } else {
+            cute::tma_store_wait<1>();
+          }
+        }
         warpgroup_sync(warpgroup);
         if (signals) Barrier::arrive(smem.empty(stages[c - 2]));
       }
@@ -193,12 +220,47 @@ struct GatedBackwardEpilogue {
         cute::tma_store_arrive();  // one bulk group per chunk
       }
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
+      if constexpr (kQuantizeDz) {
+        if (c % 2 == 1) store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols);
+      }
     }
     if (leader) cute::tma_store_wait<0>();
     warpgroup_sync(warpgroup);
 #pragma unroll
     for (int c = kChunks - 2; c < kChunks; ++c) {
       if (signals) Barrier::arrive(smem.empty(stages[c]));
+    }
+  }
+
+  // Block FP8: dg and du of the 128 columns from col0 (chunk stages first and second) in e4m3, in
+  // the first stage (its bf16 stores have left it: the wait), stored with their row scales.
+  template <class Smem>
+  __device__ static void store_dz_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
+                                      const PoolTile& t, int col0) {
+    const bool leader = threadIdx.x % 128 == 0;
+    if (leader) cute::tma_store_wait<1>();  // the first chunk's stores are done (the second's may not be)
+    warpgroup_sync(warpgroup);
+    const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;
+    uint8_t* g_q = smem.a(first) + rows_offset;
+    uint8_t* u_q = smem.b(first) + rows_offset;
+    const float2 g_scales = quantize_block_e4m3(g_q, smem.a(second) + rows_offset, g_q);
+    const float2 u_scales = quantize_block_e4m3(u_q, smem.b(second) + rows_offset, u_q);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
+    warpgroup_sync(warpgroup);
+    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
+    if (leader) {
+      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, g_q, col0, row0);
+      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, u_q, p.intermediate + col0, row0);
+      cute::tma_store_arrive();
+    }
+    if (threadIdx.x % 4 == 0) {
+      const int64_t row = int64_t(t.block) * kBlockM + fragment_row(warpgroup);
+      float* g_column = p.dz_scales + int64_t(col0 / 128) * p.pool_rows;
+      float* u_column = p.dz_scales + int64_t((p.intermediate + col0) / 128) * p.pool_rows;
+      g_column[row] = g_scales.x;
+      g_column[row + 8] = g_scales.y;
+      u_column[row] = u_scales.x;
+      u_column[row + 8] = u_scales.y;
     }
   }
 

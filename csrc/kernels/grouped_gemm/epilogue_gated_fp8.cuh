@@ -16,10 +16,6 @@
 
 namespace megamoe::grouped_gemm {
 
-__device__ __forceinline__ void store_shared_u16(uint8_t* p, uint16_t v) {
-  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(p)), "h"(v));
-}
-
 template <class Act, bool KeepZ>
 struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
   using Tile = GatedTile<Act, KeepZ, Fp8Config<256, 2>>;
@@ -110,8 +106,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
       for (int j = 0; j < kHalf / 4; ++j) {
         const int col = 8 * j + 2 * (lane % 4);
         const uint32_t pair = pending.q[8 * half + j / 2];
-        store_shared_u16(chunk + row * kSwizzleBytes + (((col / 16) ^ (row % 8)) * 16) + col % 16,
-                         uint16_t(j % 2 ? pair >> 16 : pair & 0xffffu));
+        store_shared_u16(swizzled_byte(chunk, row, col), uint16_t(j % 2 ? pair >> 16 : pair & 0xffffu));
       }
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA

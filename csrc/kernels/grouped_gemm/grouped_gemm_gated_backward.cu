@@ -1,7 +1,7 @@
 // megamoe_grouped_gemm_gated_backward_bf16 / _fp8: dh = dy_pool · w2[e] with the gated activation's
 // backward, the p-weighting and the dp partial sums in the epilogue (kernel.cuh with
-// epilogue_gated_backward.cuh). BF16 reads w2 [E, H, I] as it is: B[e] = [K = H, N = I], MN-major;
-// block FP8 reads its transposed copy [E, I, H] (K-major).
+// epilogue_gated_backward.cuh; in FP8 also dz in e4m3 for dx). BF16 reads w2 [E, H, I] as it is:
+// B[e] = [K = H, N = I], MN-major; block FP8 reads its transposed copy [E, I, H] (K-major).
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_backward.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -14,7 +14,8 @@ namespace {
 template <class Epi>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
-  return run_pool_gemm<Epi>(p, operands, {args.z, args.p_pool, args.dz, args.hp, args.dp_partial}, stream);
+  return run_pool_gemm<Epi>(p, operands, {args.z, args.p_pool, args.dz, args.hp, args.dp_partial, nullptr, nullptr},
+                            stream);
 }
 
 }  // namespace
@@ -46,8 +47,9 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
     using Act = decltype(act);
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
-      return run_pool_gemm_fp8<Epi>(p, operands, {args->z, args->p_pool, args->dz, args->hp, args->dp_partial},
-                                    scales, stream);
+      return run_pool_gemm_fp8<Epi>(
+          p, operands, {args->z, args->p_pool, args->dz, args->hp, args->dp_partial, args->dz_q, args->dz_scales},
+          scales, stream);
     };
     return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>>{})
                            : run(GatedBackwardEpilogue<Act, 128, Fp8Config<128>>{});
