@@ -22,8 +22,9 @@
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
 // deterministic, and the same sums in the same order for either BLOCK_N.
 // Block FP8 also stores dz in e4m3 for dx, one scale per row and 128 columns (quantize_block.cuh):
-// after each odd chunk, the block of it and the chunk before, read back from their stages once the
-// first one's bf16 stores have left, so no pass of its own reads dz again.
+// each row's amax is kept while the chunks are computed; after each odd chunk, the block of it and
+// the chunk before is read back from their stages once the first one's bf16 stores have left, so
+// no pass of its own reads dz again.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -157,6 +158,7 @@ struct GatedBackwardEpilogue {
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;  // the warpgroup's 64 rows
     int stages[kChunks];
     float dp[2] = {0.f, 0.f};
+    RowAmax dg_amax, du_amax;  // block FP8: over the current 128-column block
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       stages[c] = state.stage;
@@ -201,6 +203,10 @@ struct GatedBackwardEpilogue {
             out_dg[i] = live ? Act::chain(dhw * ui, act) : 0.f;
             out_du[i] = live ? dhw * act.value : 0.f;
             out_hp[i] = live ? pw * hv : 0.f;
+            if constexpr (kQuantizeDz) {
+              dg_amax.add(h, out_dg[i]);
+              du_amax.add(h, out_du[i]);
+            }
           }
           dg[q] = pack_bf16x2(out_dg[0], out_dg[1]);
           du[q] = pack_bf16x2(out_du[0], out_du[1]);
@@ -221,7 +227,10 @@ struct GatedBackwardEpilogue {
       }
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
       if constexpr (kQuantizeDz) {
-        if (c % 2 == 1) store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols);
+        if (c % 2 == 1) {
+          store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols, dg_amax, du_amax);
+          dg_amax = du_amax = RowAmax{};
+        }
       }
     }
     if (leader) cute::tma_store_wait<0>();
@@ -236,15 +245,15 @@ struct GatedBackwardEpilogue {
   // the first stage (its bf16 stores have left it: the wait), stored with their row scales.
   template <class Smem>
   __device__ static void store_dz_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
-                                      const PoolTile& t, int col0) {
+                                      const PoolTile& t, int col0, RowAmax dg_amax, RowAmax du_amax) {
     const bool leader = threadIdx.x % 128 == 0;
     if (leader) cute::tma_store_wait<1>();  // the first chunk's stores are done (the second's may not be)
     warpgroup_sync(warpgroup);
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;
     uint8_t* g_q = smem.a(first) + rows_offset;
     uint8_t* u_q = smem.b(first) + rows_offset;
-    const float2 g_scales = quantize_block_e4m3(g_q, smem.a(second) + rows_offset, g_q);
-    const float2 u_scales = quantize_block_e4m3(u_q, smem.b(second) + rows_offset, u_q);
+    const float2 g_scales = quantize_block_e4m3(g_q, smem.a(second) + rows_offset, g_q, dg_amax);
+    const float2 u_scales = quantize_block_e4m3(u_q, smem.b(second) + rows_offset, u_q, du_amax);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     warpgroup_sync(warpgroup);
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;

@@ -1,9 +1,11 @@
 // A 128-column block of a math warpgroup's 64 rows, staged in shared memory as two bf16 chunks of 64
 // columns (epilogue.cuh's swizzled chunk layout), quantised to e4m3 with one scale per row: the
 // block-FP8 recipe of kernels/fp8/e4m3.cuh applied to the staged bf16 values, so the bytes and
-// scales are those megamoe_quantize_rows_fp8 makes of the same rows. The e4m3 block lands in the
-// swizzle of a 128-byte-wide TMA box; it may overwrite the first chunk, since each warp reads all of
-// its 16 rows of that chunk before it writes them (and touches no other warp's rows).
+// scales are those megamoe_quantize_rows_fp8 makes of the same rows. The caller gives each thread's
+// amax over its values of the block, taken in fp32 before they were rounded to bf16: rounding is
+// monotonic, so the bf16 rounding of that amax is the amax of the bf16 values. The e4m3 block lands
+// in the swizzle of a 128-byte-wide TMA box; it may overwrite the first chunk, since each warp reads
+// all of its 16 rows of that chunk before it writes them (and touches no other warp's rows).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,35 +17,28 @@
 
 namespace megamoe::grouped_gemm {
 
+// The thread's share of a block row's amax (over its values, fp32, NaNs left out) and whether one is NaN.
+struct RowAmax {
+  float amax[2] = {0.f, 0.f};  // per row half (fragment rows r and r + 8)
+  bool nan[2] = {false, false};
+  __device__ void add(int half, float v) {
+    amax[half] = fmaxf(amax[half], fabsf(v));
+    nan[half] |= v != v;
+  }
+};
+
 // Returns the scales of the thread's two fragment rows (row half 0, row half 8); every lane of a
 // row's quad gets them.
-__device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* second, uint8_t* out) {
+__device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* second, uint8_t* out, RowAmax part) {
   constexpr int kPairs = kEpiCols / 16;
-  uint8_t* chunks[2] = {first, second};
-  // The row's amax over both chunks: the thread's 32 values, then its quad's.
-  float amax[2] = {0.f, 0.f};
-  bool nan[2] = {false, false};
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-#pragma unroll
-    for (int pair = 0; pair < kPairs; ++pair) {
-      uint32_t v[4];
-      load_packed_pair(v, chunks[c], pair);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[q]));
-        amax[q % 2] = fmaxf(amax[q % 2], fmaxf(fabsf(f.x), fabsf(f.y)));
-        nan[q % 2] |= f.x != f.x || f.y != f.y;
-      }
-    }
-  }
   const unsigned quad = 0xfu << (threadIdx.x % 32 & ~3u);
   float scale[2], inverse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
-    scale[h] = fp8::block_scale(amax[h], (__ballot_sync(0xffffffffu, nan[h]) & quad) != 0);
+    float amax = fmaxf(part.amax[h], __shfl_xor_sync(0xffffffffu, part.amax[h], 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = __bfloat162float(__float2bfloat16_rn(amax));  // the amax of the staged bf16 values
+    scale[h] = fp8::block_scale(amax, (__ballot_sync(0xffffffffu, part.nan[h]) & quad) != 0);
     inverse[h] = fp8::inverse(scale[h]);
   }
   // The first chunk's values, all read before any of its rows is written.
