@@ -39,6 +39,16 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
     return pool if weights is None else (pool, weights_pool)
 
 
+def dispatch_weights(plan: RoutingPlan, weights: torch.Tensor) -> torch.Tensor:
+    """Each pool row's route weight [pool rows] fp32 (0 on padding rows), the p that dispatch(plan, rows,
+    weights) returns beside the pool, without moving any rows."""
+    weights = weights.to(torch.float32).contiguous()
+    weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=weights.device)
+    args = _native.DispatchArgs(0, 0, weights.data_ptr(), weights_pool.data_ptr(), 0, 0)
+    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(weights.device))
+    return weights_pool
+
+
 def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched in one
     pass: (e4m3 pool [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read);
