@@ -40,7 +40,8 @@ def write_chart(result: dict, paths: list[Path]) -> None:
     modes = [m for m in MODES if any(r[f"{m}_tflops"] is not None for r in records)] or ["fwd"]
     # Only series with at least one bar; skipped backends are listed in the table and JSON instead.
     series = list(dict.fromkeys(label(r) for r in records if any(r[f"{m}_tflops"] is not None for m in modes)))
-    colors = {name: f"C{i}" for i, name in enumerate(series)}
+    palette = plt.get_cmap("tab10" if len(series) <= 10 else "tab20")  # one colour per series
+    colors = {name: palette(i) for i, name in enumerate(series)}
     panels = list(dict.fromkeys((r["preset"], r["routing"]) for r in records))
 
     fig, axes = plt.subplots(len(panels), len(modes), squeeze=False, layout="constrained",
@@ -64,7 +65,7 @@ def write_chart(result: dict, paths: list[Path]) -> None:
 
     handles = [Patch(color=colors[name], label=name) for name in series]
     handles.append(Line2D([], [], color="black", linestyle="--", label="measured dense bf16 peak"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=9, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=9, frameon=False)
     fig.suptitle(f"megamoe.bench · {result['gpu']} · {result['commit']} · {result['date'][:10]}", fontsize=11)
     for path in paths:
         fig.savefig(path, dpi=120)
