@@ -20,33 +20,27 @@ from . import _native, fp8
 from .routing import RoutingPlan
 
 
-def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
+def dispatch(plan: RoutingPlan, rows: torch.Tensor | None, weights: torch.Tensor | None = None):
     """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes, which
     may be columns of a wider tensor): each live pool row holds its route's token row; padding rows are
     zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's route weight, 0 on
-    padding rows."""
-    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+    padding rows; rows None dispatches the weights alone, (None, p)."""
+    if rows is None and weights is None:
+        raise ValueError("dispatch needs rows, weights or both")
+    if rows is not None and (rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1])):
         raise ValueError(f"rows [T, H] must have contiguous columns and rows at least H apart, got strides "
                          f"{rows.stride()}")
-    pool = rows.new_empty(plan.pool_rows, rows.shape[1])
+    pool = None if rows is None else rows.new_empty(plan.pool_rows, rows.shape[1])
     weights_pool = None
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
-        weights_pool = torch.empty(pool.shape[0], dtype=torch.float32, device=pool.device)
-    args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _native.address(weights),
-                                _native.address(weights_pool), _row_bytes(rows), rows.stride(0) * rows.element_size())
-    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
+        weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=weights.device)
+    row_bytes, stride = (0, 0) if rows is None else (_row_bytes(rows), rows.stride(0) * rows.element_size())
+    args = _native.DispatchArgs(_native.address(rows), _native.address(pool), _native.address(weights),
+                                _native.address(weights_pool), row_bytes, stride)
+    device = (weights if rows is None else rows).device
+    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(device))
     return pool if weights is None else (pool, weights_pool)
-
-
-def dispatch_weights(plan: RoutingPlan, weights: torch.Tensor) -> torch.Tensor:
-    """Each pool row's route weight [pool rows] fp32 (0 on padding rows), the p that dispatch(plan, rows,
-    weights) returns beside the pool, without moving any rows."""
-    weights = weights.to(torch.float32).contiguous()
-    weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=weights.device)
-    args = _native.DispatchArgs(0, 0, weights.data_ptr(), weights_pool.data_ptr(), 0, 0)
-    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(weights.device))
-    return weights_pool
 
 
 def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

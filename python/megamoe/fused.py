@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import fp8
 from .activation import check_activation
-from .exchange import combine, dispatch, dispatch_fp8, dispatch_weights
+from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
                    grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
@@ -157,10 +157,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    if fp8_backward:  # dh reads dy in e4m3; the bf16 pool of dy waits for dW2, after dh's peak
-        dy_pool, p_pool = None, dispatch_weights(plan, topk_weights)
-    else:
-        dy_pool, p_pool = dispatch(plan, dy, topk_weights)
+    # An FP8 dh reads dy in e4m3: then the bf16 pool of dy waits for dW2, after dh's peak.
+    dy_pool, p_pool = dispatch(plan, None if fp8_backward else dy, topk_weights)
     if z.numel() == 0:  # recompute: z in the forward's precision (a bf16 pool of x serves dW13 too)
         free_z = False  # our own: freed when it goes out of scope
         if precision == "fp8":
