@@ -113,6 +113,24 @@ def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
     assert dz_scales[:, int(plan.route_to_slot[3, 0])].isnan().any()
 
 
+
+@requires_cuda
+def test_the_weights_dispatched_alone_are_the_dispatchs():
+    """The FP8 backward's dh takes only the routes' weights from the dispatch (it reads dy in e4m3)."""
+    ids, weights = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(7))
+    ids[3, 1] = -1
+    plan = build_routing(ids.cuda(), 8)
+    live = int(plan.num_blocks) * 128
+    _, want = dispatch(plan, torch.randn(700, 128, device="cuda").bfloat16(), weights.cuda())
+    no_pool, alone = dispatch(plan, None, weights.cuda())
+    assert no_pool is None and torch.equal(alone[:live], want[:live])
+
+
+def test_a_dispatch_of_nothing_raises():
+    plan = build_routing(torch.zeros(4, 2, dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="needs rows, weights or both"):
+        dispatch(plan, None)
+
 # --- The weight-quantisation cache ---------------------------------------------------------------
 
 @pytest.fixture
