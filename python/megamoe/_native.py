@@ -21,6 +21,8 @@ MAX_PEERS = 8  # MEGAMOE_MAX_PEERS: ranks in one expert-parallel group
 IPC_HANDLE_BYTES = 64  # MEGAMOE_IPC_HANDLE_BYTES
 B_N_BY_K, B_K_BY_N = 0, 1  # MEGAMOE_B_*: the layout of a scatter GEMM's B
 GRAD_BF16, GRAD_FP32, GRAD_FP32_ADD = 0, 1, 2  # MEGAMOE_GRAD_*: a weight gradient's output
+FP8_ALONG_ROWS, FP8_IN_BLOCKS = 0, 1  # MEGAMOE_FP8_*: the scale blocks of a transposed FP8 operand
+ROWS_POOL, ROWS_TOKENS = 0, 1  # MEGAMOE_ROWS_*: an operand given as the pool, or as token rows to gather
 
 _LIBRARY_NAME = "libmegamoe.so"
 
@@ -86,13 +88,17 @@ GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("
                             ("p_pool", _ptr), ("dz", _ptr), ("hp", _ptr), ("dp_partial", _ptr),
                             ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))
+WeightGradFp8Args = _struct("megamoe_weight_grad_fp8_args", ("a_t", _ptr), ("a_scales", _ptr), ("b_t", _ptr),
+                            ("b_scales", _ptr), ("out", _ptr), ("m", _i32), ("n", _i32), ("output", _i32))
+TransposeQuantizeFp8Args = _struct("megamoe_transpose_quantize_fp8_args", ("src", _ptr), ("q_t", _ptr),
+                                   ("scales", _ptr), ("cols", _i32), ("blocks", _i32), ("src_rows", _i32))
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
                          ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
            GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs,
            GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs, GatedBackwardFp8Args,
-           DpReduceArgs, WeightGradArgs)
+           DpReduceArgs, WeightGradArgs, WeightGradFp8Args, TransposeQuantizeFp8Args)
 
 
 def _p(struct: type[ctypes.Structure]):
@@ -138,6 +144,8 @@ SIGNATURES = {
     "megamoe_grouped_gemm_gated_backward_fp8": _plan_op(GatedBackwardFp8Args),
     "megamoe_dp_reduce": _plan_op(DpReduceArgs),
     "megamoe_grouped_weight_grad_bf16": _plan_op(WeightGradArgs),
+    "megamoe_grouped_weight_grad_fp8": _plan_op(WeightGradFp8Args),
+    "megamoe_transpose_quantize_fp8": _plan_op(TransposeQuantizeFp8Args),
 }
 
 

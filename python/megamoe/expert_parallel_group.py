@@ -65,7 +65,7 @@ from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
-                   grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad)
+                   grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
@@ -360,8 +360,9 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
     plan's routes (every rank's) in fp32, 0 for the routes it does not own (the tests' virtual ranks run
     it too). In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with
-    its scales, makes dh and dx FP8 GEMMs; with x_scales the pool of x is e4m3 ("fp8": z recomputed in
-    FP8, dW13 on x_bf16, the pool of x's bf16 rows), without it bf16 ("fp8_bwd", and x_bf16 is x_pool)."""
+    its scales, makes dh, dx and the weight gradients FP8 GEMMs; with x_scales the pool of x is e4m3
+    ("fp8": z recomputed in FP8, dW13 on x_bf16, the pool of x's bf16 rows), without it bf16
+    ("fp8_bwd", and x_bf16 is x_pool)."""
     if x_scales is None:
         z, x_bf16 = recompute_z(x_pool, w13, plan, activation), x_pool
     else:
@@ -376,8 +377,9 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
         dz, dz_fp8, hp, dp_partial = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan, activation)
         w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
         grouped_gemm_fp8(*dz_fp8, w13t, w13t_scales, plan, out=dx_pool)
-    weight_grad(dz, x_bf16, plan, dw13)
-    weight_grad(dy_pool, hp, plan, dw2)
+    wgrad = weight_grad if dy_fp8 is None else weight_grad_fp8
+    wgrad(dz, x_bf16, plan, dw13)
+    wgrad(dy_pool, hp, plan, dw2)
     return reduce_dp(dp_partial, plan)
 
 

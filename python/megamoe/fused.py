@@ -21,14 +21,17 @@ their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 12
 from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
 (dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dh's epilogue also quantises
 dz per row for dx.
-The weight gradients stay bf16 GEMMs on the bf16 rows of x, dy, p·h and dz. Kept for the backward in
-"fp8": z (bf16) and the plan; the backward dispatches x again, in bf16, for dW13 (x's e4m3 pool
-would give dW13 x's quantisation error, and keeping it would cost T·K·H bytes).
+The weight gradients are FP8 GEMMs too, K-grouped over each expert's rows: dy and dz transposed and
+quantised in 1 x 128 blocks along the tokens, p·h and x in 128 x 128 blocks (128 tokens x 128
+columns), so the promotion is the forward's FP8 GEMMs' (a scale per fragment row and 128-column
+block); dy's and x's rows are read straight from their token rows. Kept for the backward in "fp8"
+and "fp8_bwd": z (bf16) and the plan (an e4m3 pool of x from the forward would be quantised along
+the hidden size, not the tokens, and cost T·K·H bytes).
 
 Memory: z is kept compact (T·K rows, not the pool's worst case), and its memory is given back as
 soon as dh has read it, unless a later backward through the same graph needs it (retain_graph); the
-gradients are allocated just before their GEMMs. Where the pool of x was not kept
-(recompute="gather", "fp8"), dW13 is made in two column halves of H, each from a pool of x that half
+gradients are allocated just before their GEMMs. Where the bf16 pool of x was not kept
+(recompute="gather"), dW13 is made in two column halves of H, each from a pool of x that half
 wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool.
 """
 
@@ -42,7 +45,7 @@ from . import fp8
 from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
-                   grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad)
+                   grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision, main_grad_of
 
@@ -83,9 +86,9 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, x_pool, z, plan) with the experts' h = act(gate) · up for `activation` (megamoe.activation)
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
-    output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, after a bf16 forward,
-    its pool of x [pool rows, H] (bf16, what dW13 reads; the e4m3 pool of an FP8 forward is not, so
-    "fp8" keeps none); otherwise empty. With keep_plan, the routing plan's buffer
+    output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, in "bf16", its pool
+    of x [pool rows, H] (what dW13 reads; the FP8 weight gradients read x's token rows, so "fp8" and
+    "fp8_bwd" keep none); otherwise empty. With keep_plan, the routing plan's buffer
     (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
@@ -99,7 +102,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if keep_plan:
         plan_buffer = plan.buffer
     routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")
-    if keep and keep_pool and pool is not None:
+    if keep and keep_pool and precision == "bf16":
         x_pool = pool
     del pool
     y = combine(plan, routed, topk_weights)
@@ -125,7 +128,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
         return torch.empty_like(x), x_pool, z, plan
     if keep:
         z = x.new_empty(topk_ids.numel(), w13.shape[1])
-        if keep_pool and precision != "fp8":
+        if keep_pool and precision == "bf16":
             x_pool = x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
@@ -157,9 +160,9 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    # An FP8 dh reads dy in e4m3: then the bf16 pool of dy waits for dW2, after dh's peak.
+    # In FP8, dh reads dy in e4m3 and the weight gradients read dy's and x's token rows: no bf16 pools.
     dy_pool, p_pool = dispatch(plan, None if fp8_backward else dy, topk_weights)
-    if z.numel() == 0:  # recompute: z in the forward's precision (a bf16 pool of x serves dW13 too)
+    if z.numel() == 0:  # recompute: z in the forward's precision (in bf16 its pool of x serves dW13 too)
         free_z = False  # our own: freed when it goes out of scope
         if precision == "fp8":
             w13_fp8 = fp8.quantized_weight(w13)
@@ -167,8 +170,10 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             z = recompute_z(x_fp8, w13_fp8.q, plan, activation, x_scales, w13_fp8.scales)
             del x_fp8, x_scales
         else:
-            x_pool = dispatch(plan, x)
-            z = recompute_z(x_pool, w13, plan, activation)
+            pool = dispatch(plan, x)
+            z = recompute_z(pool, w13, plan, activation)
+            x_pool = None if fp8_backward else pool
+            del pool
     if fp8_backward:
         dy_fp8, dy_scales = dispatch_fp8(plan, dy)
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
@@ -182,15 +187,16 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     del z
     if need_dweights:
         dweights = reduce_dp(dp_partial, plan).view(topk_weights.shape).to(topk_weights.dtype)
-    # The weight gradients go into the returned bf16 tensor, or are added in fp32 to main_grad (the
-    # returned one is then empty). dW2 first, so the pool of dy and hp are freed before dx needs its
-    # per-route rows.
+
+    # dW2 first, so the pool of dy and hp are freed before dx needs its per-route rows.
     if need_dw2:
         if main_grad2 is None:
             dw2 = w2.new_empty(w2.shape)
-        if dy_pool is None:
-            dy_pool = dispatch(plan, dy)
-        weight_grad(dy_pool, hp, plan, dw2 if main_grad2 is None else main_grad2)
+        out = dw2 if main_grad2 is None else main_grad2
+        if fp8_backward:
+            weight_grad_fp8(dy, hp, plan, out, a_tokens=True)
+        else:
+            weight_grad(dy_pool, hp, plan, out)
     del dy_pool, hp
     if need_dx:
         routed = _routed(plan, x)
@@ -206,9 +212,11 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         if main_grad13 is None:
             dw13 = w13.new_empty(w13.shape)
         out = dw13 if main_grad13 is None else main_grad13
-        if x_pool is not None:
+        if fp8_backward:
+            weight_grad_fp8(dz, x, plan, out, b_tokens=True)
+        elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
-        else:  # not kept (recompute="gather", FP8): dispatched again, half of H's columns at a time
+        else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):
                 weight_grad(dz, dispatch(plan, x[:, cols]), plan, out[:, :, cols])
     return dx, dweights, dw13, dw2

@@ -205,3 +205,35 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
                  _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1)),
                  _native.stream(a.device))
+
+
+def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool,
+                       tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's pool of src, [rows, C] bf16 -> (e4m3 [C, rows], scales) transposed and quantised along
+    the rows (the weight gradients' K), over the plan's live blocks: one scale per column and 128 rows,
+    scales [rows / 128, C]; with in_blocks one per 128 x 128 block, scales [C / 128, rows / 128]. src is
+    the pool, or with tokens the token rows [T, C] the dispatch would make it of (not made here)."""
+    rows, cols = plan.pool_rows, src.shape[1]
+    q_t = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=src.device)
+    shape = (cols // 128, rows // 128) if in_blocks else (rows // 128, cols)
+    scales = torch.empty(shape, dtype=torch.float32, device=src.device)
+    args = _native.TransposeQuantizeFp8Args(src.data_ptr(), q_t.data_ptr(), scales.data_ptr(), cols,
+                                            _native.FP8_IN_BLOCKS if in_blocks else _native.FP8_ALONG_ROWS,
+                                            _native.ROWS_TOKENS if tokens else _native.ROWS_POOL)
+    _native.call("megamoe_transpose_quantize_fp8", "FP8 transpose", plan.native(), args, _native.stream(src.device))
+    return q_t, scales
+
+
+def weight_grad_fp8(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor, a_tokens: bool = False,
+                    b_tokens: bool = False) -> None:
+    """weight_grad in block FP8: a [rows, M] in 1 x 128 blocks along the rows (one scale per column
+    and 128 rows: dy, dz), b [rows, N] in 128 x 128 blocks (p·h, x), each transposed for the K-major
+    FP8 tensor cores (transpose_quantize; a_tokens / b_tokens: the operand is token rows, gathered by
+    the plan); fp32 sums of each 128-deep k-block's products."""
+    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, tokens=a_tokens)
+    b_t, b_scales = transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
+    output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
+    _native.call("megamoe_grouped_weight_grad_fp8", "FP8 weight gradient", plan.native(),
+                 _native.WeightGradFp8Args(a_t.data_ptr(), a_scales.data_ptr(), b_t.data_ptr(), b_scales.data_ptr(),
+                                           out.data_ptr(), out.shape[1], out.shape[2], output),
+                 _native.stream(a.device))

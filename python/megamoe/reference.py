@@ -54,6 +54,23 @@ def _bf16(a: torch.Tensor) -> torch.Tensor:
     return a.to(torch.bfloat16).double()
 
 
+def _padded_to_blocks(a: torch.Tensor) -> torch.Tensor:
+    """An expert's rows [n, C] (in pool order) with zero rows up to a multiple of 128, as the pool pads them."""
+    return F.pad(a, (0, 0, 0, -a.shape[0] % fp8.BLOCK))
+
+
+def fp8_along_tokens(a: torch.Tensor) -> torch.Tensor:
+    """An expert's rows [n, C] through block FP8 with one scale per column and 128 rows (fp64)."""
+    padded = _padded_to_blocks(a)
+    return fp8.dequantize_rows(*fp8.quantize_rows(padded.T.contiguous())).double().T[:a.shape[0]]
+
+
+def fp8_token_blocks(a: torch.Tensor) -> torch.Tensor:
+    """An expert's rows [n, C] through block FP8 with one scale per 128 rows x 128 columns (fp64)."""
+    padded = _padded_to_blocks(a)
+    return fp8.dequantize_blocks(*fp8.quantize_blocks(padded.unsqueeze(0))).double()[0, :a.shape[0]]
+
+
 def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: str = "swiglu",
                         precision: str = "bf16"):
     """(y, dx, d topk_weights, dw13, dw2) in fp64 for output gradient dy, route by route.
@@ -61,10 +78,11 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     precision "bf16": no quantisation (what autograd gives for reference_moe). "fp8": the forward
     quantises x per token and h per row (1 x 128), w13 and w2 per 128 x 128 block; "fp8" and
     "fp8_bwd" (bf16 forward): the data-gradient GEMMs quantise dy per token and dz per row (1 x 128)
-    with the weights' blocks (dh = dy·w2, dx = dz·w13). dp = ⟨h, dh⟩ with h before its quantisation;
-    the weight gradients take unquantised dy, h, dz and x. In the FP8
-    backward the tensors the kernels hold in bf16 are rounded to bf16 where they do: z (kept from the
-    forward) and dz (quantised from bf16)."""
+    with the weights' blocks (dh = dy·w2, dx = dz·w13), and the weight gradients quantise each
+    expert's rows (in pool order, padded to 128) of dy and dz in 1 x 128 blocks along the tokens and
+    of p·h and x in 128 x 128 blocks (dw2 = dyᵀ·(p·h), dw13 = dzᵀ·x). dp = ⟨h, dh⟩ with h before its
+    quantisation. In the FP8 backward the tensors the kernels hold in bf16 are rounded to bf16 where
+    they do: z (kept from the forward), dz and p·h."""
     check_activation(activation)
     fp8_forward, fp8_backward = precision == "fp8", precision in ("fp8", "fp8_bwd")
     ids, p = topk_ids.long(), topk_weights.double()
@@ -100,8 +118,12 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
         dp[t, k] = (h * dh).sum(dim=1)
         dz = torch.cat([pe * dh * up * act_grad, pe * dh * act], dim=1)
         dx.index_add_(0, t, (_fp8_rows(_bf16(dz)) if fp8_backward else dz) @ w13b[e])
-        dw2[e] = dyd[t].T @ (pe * h)
-        dw13[e] = dz.T @ xd[t]
+        if fp8_backward:
+            dw2[e] = fp8_along_tokens(dyd[t]).T @ fp8_token_blocks(_bf16(pe * h))
+            dw13[e] = fp8_along_tokens(_bf16(dz)).T @ fp8_token_blocks(xd[t])
+        else:
+            dw2[e] = dyd[t].T @ (pe * h)
+            dw13[e] = dz.T @ xd[t]
     return y, dx, dp, dw13, dw2
 
 

@@ -23,20 +23,10 @@ import torch
 
 from megamoe import fp8
 from megamoe.bench.timing import Budget, Device, measure
-from megamoe.reference import relative_error
+from megamoe.reference import fp8_along_tokens, fp8_token_blocks, relative_error
 from megamoe.shapes import PRESETS
 
 PRESETS_SHOWN = ("qwen3-30b-a3b", "qwen3-235b-a22b")
-
-
-def along_tokens(a: torch.Tensor) -> torch.Tensor:
-    """a [T, C] through e4m3 with one scale per column and 128 tokens, back in fp64."""
-    return fp8.dequantize_rows(*fp8.quantize_rows(a.T.contiguous())).double().T
-
-
-def in_blocks(a: torch.Tensor) -> torch.Tensor:
-    """a [T, C] through e4m3 with one scale per 128 tokens x 128 columns, back in fp64."""
-    return fp8.dequantize_blocks(*fp8.quantize_blocks(a.unsqueeze(0))).double()[0]
 
 
 def gradients(preset: str):
@@ -55,8 +45,8 @@ def error(tokens: int) -> None:
                     b[:, torch.randperm(n)[:max(1, n // 100)]] *= 50
                 b = b.bfloat16()
                 exact = a.double().T @ b.double()
-                both = relative_error(along_tokens(a).T @ along_tokens(b), exact)
-                blocks = relative_error(along_tokens(a).T @ in_blocks(b), exact)
+                both = relative_error(fp8_along_tokens(a).T @ fp8_along_tokens(b), exact)
+                blocks = relative_error(fp8_along_tokens(a).T @ fp8_token_blocks(b), exact)
                 bf16_error = relative_error(exact.float().bfloat16(), exact)
                 print(f"{preset} {name} [{m} x {n}], {tokens} tokens{', outlier columns' if outliers else ''}: "
                       f"FP8 1x128 along tokens {both:.4f}, second operand in 128x128 blocks {blocks:.4f}, "

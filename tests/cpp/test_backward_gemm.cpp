@@ -527,4 +527,27 @@ TEST(WeightGradValidation, RejectsBadArguments) {
       });
 }
 
+TEST(WeightGradValidation, Fp8RejectsBadArguments) {
+  using Args = megamoe_weight_grad_fp8_args;
+  void* p = check_buf;
+  auto* fp = reinterpret_cast<float*>(check_buf);
+  const char* fp8_sizes = " must be a positive multiple of 128 (block-FP8 scale blocks), got ";
+  const std::string m_message = std::string("m") + fp8_sizes + "200";
+  const std::string n_message = std::string("n") + fp8_sizes + "72";
+  expect_rejections<Args>(
+      megamoe_grouped_weight_grad_fp8, unread_plan(), Args{p, fp, p, fp, p, 256, 256, MEGAMOE_GRAD_FP32},
+      {
+          {[](auto&, auto& a) { a.a_t = nullptr; }, "a_t must be non-null"},
+          {[](auto&, auto& a) { a.b_t = nullptr; }, "b_t must be non-null"},
+          {[](auto&, auto& a) { a.a_scales = nullptr; }, "a_scales must be non-null"},
+          {[](auto&, auto& a) { a.b_scales = nullptr; }, "b_scales must be non-null"},
+          {[](auto&, auto& a) { a.out = nullptr; }, "out must be non-null"},
+          {[](auto& pl, auto&) { pl.expert_offsets = nullptr; }, "the plan's expert_offsets and expert_counts"},
+          {[](auto&, auto& a) { a.m = 200; }, m_message.c_str()},
+          {[](auto&, auto& a) { a.n = 72; }, n_message.c_str()},
+          {[](auto&, auto& a) { a.output = 3; }, "output must be MEGAMOE_GRAD_BF16"},
+          {[](auto&, auto& a) { a.b_t = check_buf + 8; }, "b_t must be 16-byte aligned"},
+      });
+}
+
 }  // namespace

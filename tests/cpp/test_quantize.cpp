@@ -77,3 +77,24 @@ TEST(TransposeValidation, RejectsBadArguments) {
   a.batches = 0;  // nothing to move: no launch
   EXPECT_EQ(megamoe_transpose_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
 }
+
+TEST(QuantizeValidation, TransposedRejectBadArguments) {
+  using Args = megamoe_transpose_quantize_fp8_args;
+  auto* fp = reinterpret_cast<float*>(check_buf);
+  const char* nulls = "src, q_t, scales and the plan's num_blocks must be non-null";
+  expect_rejections<Args>(
+      megamoe_transpose_quantize_fp8, unread_plan(),
+      Args{check_buf, check_buf, fp, 256, MEGAMOE_FP8_ALONG_ROWS, MEGAMOE_ROWS_TOKENS},
+      {
+          {[](auto&, auto& a) { a.src = nullptr; }, nulls},
+          {[](auto&, auto& a) { a.scales = nullptr; }, nulls},
+          {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, nulls},
+          {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, "token rows need the plan's slot_to_route"},
+          {[](auto&, auto& a) { a.src_rows = 2; }, "src_rows must be MEGAMOE_ROWS_POOL or MEGAMOE_ROWS_TOKENS, got 2"},
+          {[](auto&, auto& a) { a.q_t = check_buf + 8; }, "src and q_t must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.cols = 200; },
+           "cols must be a positive multiple of 128 (block-FP8 scale blocks), got 200"},
+          {[](auto&, auto& a) { a.blocks = 2; },
+           "blocks must be MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS, got 2"},
+      });
+}

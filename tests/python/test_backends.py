@@ -310,7 +310,8 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
                                                         False)
         _, z_alone_x_pool, z_alone, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, False,
                                                           True)
-        _, fp8_x_pool, fp8_z, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "fp8", True, True, True)
+        fp8_kept = [fused_moe_forward(x, ids, weights, w13, w2, "swiglu", precision, True, True, True)[1:3]
+                    for precision in ("fp8", "fp8_bwd")]
         grads = fused_moe_backward(y, x, ids, weights, w13, w2, "swiglu", "bf16", x_pool, z, plan, False, True,
                                    False, True, True, None, None)
     assert (y.shape, y.dtype) == (x.shape, x.dtype)
@@ -318,7 +319,8 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
     assert z_alone_x_pool.numel() == 0 and z_alone.shape == z.shape  # recompute="gather"
-    assert fp8_x_pool.numel() == 0 and fp8_z.shape == z.shape  # "fp8" keeps z; dW13 dispatches bf16 x again
+    for fp8_x_pool, fp8_z in fp8_kept:  # z only: the FP8 weight gradients read x's token rows
+        assert fp8_x_pool.numel() == 0 and fp8_z.shape == z.shape
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]
     assert [(g.shape, g.dtype) for g in grads] == expected
 

@@ -3,7 +3,7 @@ import torch
 
 from megamoe import fp8
 from megamoe.exchange import dispatch, dispatch_fp8
-from megamoe.gemm import gated_backward_fp8, grouped_gemm_fp8
+from megamoe.gemm import gated_backward_fp8, grouped_gemm_fp8, transpose_quantize, weight_grad_fp8
 from megamoe.reference import relative_error
 from megamoe.routing import build_routing
 from megamoe.shapes import make_routing
@@ -130,6 +130,78 @@ def test_a_dispatch_of_nothing_raises():
     plan = build_routing(torch.zeros(4, 2, dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="needs rows, weights or both"):
         dispatch(plan, None)
+
+@requires_cuda
+@pytest.mark.parametrize("in_blocks", [False, True])
+def test_the_transposed_quantisation_equals_quantising_the_transpose(in_blocks):
+    """The FP8 weight gradients' operands: the live pool rows transposed, then one scale per column and
+    128 rows (the row quantisation of the transpose) or per 128 x 128 block (the weights' recipe)."""
+    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(4))
+    plan = build_routing(ids.cuda(), 8)
+    pool = torch.randn(plan.slot_to_route.numel(), 384, device="cuda").bfloat16()
+    pool[5, 7] = float("nan")
+    q_t, scales = transpose_quantize(pool, plan, in_blocks)
+    live = int(plan.num_blocks) * 128
+    transposed = pool[:live].t().contiguous()
+    if in_blocks:
+        want, want_scales = fp8.quantize_blocks(transposed.unsqueeze(0))
+        got_scales = scales[:, :live // 128]
+        want, want_scales = want[0], want_scales[0]
+    else:
+        want, want_scales = fp8.quantize_rows(transposed)
+        got_scales = scales[:live // 128]
+    assert torch.equal(q_t[:, :live].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
+
+
+@requires_cuda
+@pytest.mark.parametrize("in_blocks", [False, True])
+def test_the_transposed_quantisation_gathers_token_rows_as_the_dispatch_does(in_blocks):
+    """From token rows, the bytes it makes of the dispatched pool, padding rows included."""
+    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(6))
+    ids[3, 1] = -1
+    plan = build_routing(ids.cuda(), 8)
+    rows = torch.randn(700, 256, device="cuda").bfloat16()
+    live = int(plan.num_blocks) * 128
+    got = transpose_quantize(rows, plan, in_blocks, tokens=True)
+    want = transpose_quantize(dispatch(plan, rows), plan, in_blocks)
+    assert torch.equal(got[0][:, :live].view(torch.uint8), want[0][:, :live].view(torch.uint8))
+    live_scales = (slice(None), slice(0, live // 128)) if in_blocks else (slice(0, live // 128),)
+    assert torch.equal(got[1][live_scales], want[1][live_scales])
+
+
+@requires_cuda
+@pytest.mark.parametrize("m, n", [(256, 384), (384, 256)])  # 256- and 128-wide tiles
+def test_fp8_weight_gradients_match_the_dequantised_product(m, n):
+    """out[e] = a[rows of e]ᵀ · b[rows of e] from the transposed FP8 operands, against fp64 on what
+    they dequantise to: the kernel adds no error beyond its fp32 sums; fp32 out adds to main_grad."""
+    experts = 8
+    ids, _ = make_routing(700, experts, 2, "skewed", generator=torch.Generator().manual_seed(5))
+    plan = build_routing(ids.cuda(), experts)
+    rows = plan.slot_to_route.numel()
+    real = (plan.slot_to_route >= 0).unsqueeze(1)
+    a = torch.where(real, torch.randn(rows, m, device="cuda"), 0).bfloat16()
+    b = torch.where(real, torch.randn(rows, n, device="cuda"), 0).bfloat16()
+    out = torch.empty(experts, m, n, device="cuda", dtype=torch.bfloat16)
+    weight_grad_fp8(a, b, plan, out)
+    main_grad = torch.ones(experts, m, n, device="cuda")
+    weight_grad_fp8(a, b, plan, main_grad)
+    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False)
+    b_t, b_scales = transpose_quantize(b, plan, in_blocks=True)
+    live = int(plan.num_blocks) * 128
+    a_deq = fp8.dequantize_rows(a_t[:, :live].contiguous(), a_scales[:live // 128].contiguous()).double()
+    b_deq = fp8.dequantize_blocks(b_t[:, :live].unsqueeze(0).contiguous(),
+                                  b_scales[:, :live // 128].unsqueeze(0).contiguous()).double()[0]
+    offsets = plan.expert_offsets.tolist()
+    for e in range(experts):
+        begin, end = offsets[e], offsets[e + 1]
+        want = a_deq[:, begin:end] @ b_deq[:, begin:end].t()
+        if end == begin:
+            assert torch.all(out[e] == 0) and torch.all(main_grad[e] == 1)
+            continue
+        assert relative_error(out[e].double(), want) < 1e-2, e
+        assert relative_error(main_grad[e].double() - 1, want) < 1e-3, e  # FP8 wgmma sums, fp32 promotion
+
 
 # --- The weight-quantisation cache ---------------------------------------------------------------
 

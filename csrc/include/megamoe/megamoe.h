@@ -259,6 +259,32 @@ int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* strea
 int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream);
 int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* stream);
 
+// The block-FP8 weight gradients' operands (megamoe_grouped_weight_grad_fp8): a pool
+// [max_blocks * 128, cols] bf16 transposed into q_t [cols, max_blocks * 128] e4m3 and quantised along
+// the pool rows (the weight gradient's K) with megamoe_quantize_rows_fp8's rounding: blocks =
+// MEGAMOE_FP8_ALONG_ROWS gives one scale per column and 128 rows, scales [max_blocks, cols];
+// MEGAMOE_FP8_IN_BLOCKS one per 128 x 128 block, scales [cols / 128, max_blocks]. src is that pool
+// (src_rows = MEGAMOE_ROWS_POOL) or token rows [T, cols] (MEGAMOE_ROWS_TOKENS): the pool the plan's
+// dispatch makes of them (pool row r = token slot_to_route[r] / K, zeros for padding rows), read
+// without being made. Only the plan's live blocks (*num_blocks) are read and written. cols a
+// multiple of 128; src and q_t 16-byte aligned.
+#define MEGAMOE_FP8_ALONG_ROWS 0
+#define MEGAMOE_FP8_IN_BLOCKS 1
+#define MEGAMOE_ROWS_POOL 0
+#define MEGAMOE_ROWS_TOKENS 1
+
+typedef struct {
+  const void* src;
+  void* q_t;
+  float* scales;
+  int32_t cols;
+  int32_t blocks;    // MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS
+  int32_t src_rows;  // MEGAMOE_ROWS_POOL or MEGAMOE_ROWS_TOKENS
+} megamoe_transpose_quantize_fp8_args;
+
+int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan, const megamoe_transpose_quantize_fp8_args* args,
+                                   void* stream);
+
 // Batched transpose of one-byte matrices: out[b, c, r] = in[b, r, c] for in [batches, rows, cols]
 // (rows and cols multiples of 128, both pointers 16-byte aligned): the K-major copies of e4m3 weights.
 typedef struct {
@@ -471,6 +497,27 @@ typedef struct {
 
 int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan, const megamoe_weight_grad_args* args,
                                      void* stream);
+
+// The same in block FP8, on the operands given transposed (FP8 tensor cores read both K-major):
+// a_t [m, max_blocks * 128] e4m3 = a_poolᵀ with a_scales [max_blocks * 128 / 128, m] fp32 (one per
+// row of a_t and 128 pool rows: 1 x 128 blocks along the tokens), b_t [n, max_blocks * 128] e4m3 =
+// b_poolᵀ with b_scales [n / 128, max_blocks * 128 / 128] fp32 (one per 128 x 128 block). K runs over
+// each expert's routed rows rounded up to 128: their padding rows must be zero in a_t or b_t. fp32
+// accumulation of each 128-deep k-block's products, scaled and added in order; out as in the bf16
+// version. m and n multiples of 128; 16-byte aligned.
+typedef struct {
+  const void* a_t;
+  const float* a_scales;
+  const void* b_t;
+  const float* b_scales;
+  void* out;
+  int32_t m;
+  int32_t n;
+  int32_t output;  // MEGAMOE_GRAD_*
+} megamoe_weight_grad_fp8_args;
+
+int megamoe_grouped_weight_grad_fp8(const megamoe_routing_plan* plan, const megamoe_weight_grad_fp8_args* args,
+                                    void* stream);
 
 #ifdef __cplusplus
 }

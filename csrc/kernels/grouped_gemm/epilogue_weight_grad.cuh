@@ -17,9 +17,12 @@
 
 namespace megamoe::grouped_gemm {
 
-template <int BlockN, bool Fp32>
+// C: the main loop's config, BF16 on token-major operands or block FP8 on transposed ones
+// (config_fp8.cuh); the accumulator fragment is the same.
+template <int BlockN, bool Fp32, class C = Config<BlockN, 1, Major::MN, Major::MN>>
 struct WeightGradEpilogue {
-  using Cfg = Config<BlockN, 1, Major::MN, Major::MN>;
+  using Cfg = C;
+  static_assert(Cfg::kBlockN == BlockN, "the config's tile width");
   struct Params {
     CUtensorMap c;  // bf16: out as E planes [M, N], 16-row x 64-column boxes (unused for fp32)
     float* out;     // fp32: [E, M, ld]
@@ -62,9 +65,10 @@ struct WeightGradEpilogue {
   }
   __device__ static Rows prepare(const Params&, const ExpertTile&, int) { return {}; }
 
-  // bf16 is deferred (kernel.cuh): the packed tile is stored under the next tile's first wgmma batch.
-  // fp32 stores its 128 values per thread right away: they do not fit beside the next accumulators.
-  static constexpr bool kDeferred = !Fp32;
+  // bf16 is deferred (kernel.cuh): the packed tile is stored under the next tile's first wgmma batch;
+  // not in FP8, whose main loop's fragment besides the sum leaves no room for it. fp32 stores its 128
+  // values per thread right away: they do not fit beside the next accumulators.
+  static constexpr bool kDeferred = !Fp32 && !Cfg::kFp8;
   struct Pending {
     uint32_t packed[Cfg::kAccumulators / 2];
     int expert, row0, col0;  // row0: of the expert's M
@@ -85,9 +89,18 @@ struct WeightGradEpilogue {
                                         InPlane{pending.expert});
   }
 
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
-                               int warpgroup, const ExpertTile& t, Rows) {
-    static_assert(Fp32, "bf16 weight gradients are deferred");
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
+                               int warpgroup, const ExpertTile& t, Rows rows) {
+    if constexpr (!Fp32) {
+      static_assert(!kDeferred, "a deferred bf16 tile is stored from its Pending");
+      store(retire(acc, p, smem, warpgroup, t, rows), p, smem, warpgroup);
+    } else {
+      store_fp32(acc, p, warpgroup, t);
+    }
+  }
+
+  __device__ static void store_fp32(const float (&acc)[Cfg::kAccumulators], const Params& p, int warpgroup,
+                                    const ExpertTile& t) {
     const int col0 = t.n_tile * BlockN + 2 * (threadIdx.x % 4);  // this thread's first column
     const bool zero = t.k_blocks == 0;
     const int row = t.m_tile * kBlockM + warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * 16 +

@@ -38,19 +38,16 @@
 namespace megamoe::grouped_gemm {
 
 // One math warpgroup's main loop of a tile: bf16 (mainloop.cuh) or block FP8 (mainloop_fp8.cuh,
-// with the B scales of the tile's expert and first 128-row block of B, and the distance to those of
-// its second 128-row half: the next block, or for a split B tile the block half_blocks further).
+// with the tile's B scales, which the scheduler finds: fp8_b_scales).
 template <class Cfg, class Sched, class Smem, class Tile, class UnderFirstBatch>
 __device__ __forceinline__ void main_loop(float (&acc)[Cfg::kAccumulators], const Smem& smem,
                                           PipelineState<Cfg::kStages>& state, const Sched& sched, const Tile& tile,
                                           int warpgroup, const typename Cfg::MainloopParams& mainloop,
                                           UnderFirstBatch&& under_first_batch) {
   if constexpr (Cfg::kFp8) {
-    constexpr int kTileBlocks = Cfg::kBBoxes == 2 ? 1 : Cfg::kBlockN / 128;  // 128-row blocks a tile starts apart
-    const int64_t b_block = int64_t(sched.expert(tile)) * mainloop.n_blocks + tile.n_tile * kTileBlocks;
-    const int second_half = (Cfg::kBBoxes == 2 ? mainloop.half_blocks : 1) * tile.k_blocks;
-    mma_tile_fp8<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, mainloop.b_scales + b_block * tile.k_blocks,
-                      second_half, under_first_batch);
+    const Fp8TileScales b_scales = sched.template fp8_b_scales<Cfg>(tile, mainloop);
+    mma_tile_fp8<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, b_scales.first, b_scales.second_half,
+                      under_first_batch);
   } else {
     mma_tile<Cfg>(acc, smem, state, tile.k_blocks, warpgroup, under_first_batch);
   }

@@ -48,6 +48,13 @@ struct PoolTile {
   int k_blocks;
 };
 
+// The FP8 main loop's B scales of a tile (mainloop_fp8.cuh): its first 128-column block's, one per
+// k-block, and how far on those of its second 128-column half start (BLOCK_N 256).
+struct Fp8TileScales {
+  const float* first;
+  int second_half;
+};
+
 struct PoolScheduler {
   static constexpr bool kMayBeEmpty = false;  // K > 0
   static constexpr int kGroupBlocks = 8;
@@ -96,6 +103,14 @@ struct PoolScheduler {
 
   // An expert id outside [0, E_local) would read out of bounds, which TMA fills with zeros.
   __device__ int expert(const PoolTile& t) const { return block_expert[t.block]; }
+
+  // B in 128 x 128 blocks per expert: scales [E_local, B rows per expert / 128, K / 128].
+  template <class Cfg>
+  __device__ Fp8TileScales fp8_b_scales(const PoolTile& t, const typename Cfg::MainloopParams& m) const {
+    constexpr int kTileBlocks = Cfg::kBBoxes == 2 ? 1 : Cfg::kBlockN / 128;  // 128-row blocks a tile starts apart
+    const int64_t b_block = int64_t(expert(t)) * m.n_blocks + t.n_tile * kTileBlocks;
+    return {m.b_scales + b_block * t.k_blocks, (Cfg::kBBoxes == 2 ? m.half_blocks : 1) * t.k_blocks};
+  }
 
   template <class Cfg>
   __device__ TileOrigin origin(const PoolTile& t) const {

@@ -1,0 +1,225 @@
+// The block-FP8 weight gradients' operands (grouped_weight_grad.cu): a pool [rows, cols] bf16 (dy,
+// p·h, dz or x in pool order) transposed and quantised along its rows, the weight gradient's K, with
+// the rounding of e4m3.cuh; or, from token rows [T, cols], the pool the plan's dispatch would make of
+// them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it:
+//   MEGAMOE_FP8_ALONG_ROWS: one scale per column and 128 rows (1 x 128 blocks along the tokens),
+//                           scales [rows / 128, cols]
+//   MEGAMOE_FP8_IN_BLOCKS:  one scale per 128 x 128 block, scales [cols / 128, rows / 128]
+// One CTA per 128 x 128 tile of the live pool blocks, in three steps through one shared buffer:
+//   1. stage: the tile's rows, each 16-byte chunk loaded once (all of a thread's loads in flight
+//      together), into rows 65 words apart;
+//   2. quantise: thread t holds column pair t % 64 over rows [32 (t / 64), +32) in registers; the 4
+//      threads of a column meet in shared memory for its amax (the whole CTA for the tile's);
+//   3. write: the e4m3 tile, transposed, goes back into the buffer as 128 columns of 128 bytes (a
+//      column's 16-byte chunks permuted by its index, so a warp's stores spread over the banks), and
+//      the CTA stores it as whole 128-byte lines of q_t (a warp writes 4 columns' lines).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "kernels/fp8/e4m3.cuh"
+#include "megamoe/megamoe.h"
+#include "routing/routing.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kChunksPerRow = kTile * 2 / 16;                        // 16-byte chunks of a staged bf16 row
+constexpr int kStagedChunks = kTile * kChunksPerRow / kThreads;       // a thread's chunks: 8
+constexpr int kRowWords = kTile / 2 + 1;                              // a staged row: 64 words and one of padding
+constexpr int kQuarters = kThreads / (kTile / 2);                     // threads per column pair: 4
+constexpr int kQuarterRows = kTile / kQuarters;                       // rows per thread: 32
+constexpr int kOutChunks = kTile * kTile / 16 / kThreads;              // a thread's 16-byte output chunks: 4
+static_assert(kTile * kRowWords * 4 >= kTile * kTile, "the e4m3 tile fits where the bf16 tile was staged");
+
+// slot_to_route (token rows) or null (a pool). Three CTAs per SM: their staged loads keep about 96 KB
+// in flight, and the register budget (85) holds a thread's 8 staged chunks and 32 held words.
+template <bool InBlocks>
+__global__ void __launch_bounds__(kThreads, 3)
+transpose_quantize(const uint4* __restrict__ src, uint4* __restrict__ q_t, float* __restrict__ scales,
+                   const int32_t* __restrict__ num_blocks, const int32_t* __restrict__ slot_to_route, int32_t top_k,
+                   int64_t rows, int32_t cols) {
+  const int block_row = int(blockIdx.x);  // 128-row block of the pool
+  if (block_row >= *num_blocks) return;   // past the live blocks: nothing reads those rows
+  const int col_tile = int(blockIdx.y);
+  const int col0 = col_tile * kTile;
+  __shared__ __align__(16) uint32_t tile[kTile * kRowWords];
+  __shared__ float amax_part[kQuarters][kTile];
+  __shared__ int nan_part[kQuarters][kTile];
+
+  // 1. Stage. Thread t loads chunk t % 16 of rows t / 16 + 16 i: first every source row, then every
+  // chunk, so the loads of each kind are in flight together.
+  const int64_t row0 = int64_t(block_row) * kTile;
+  const int chunk = int(threadIdx.x) % kChunksPerRow;
+  int64_t src_row[kStagedChunks];
+#pragma unroll
+  for (int i = 0; i < kStagedChunks; ++i) {
+    src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * (kThreads / kChunksPerRow);
+    if (slot_to_route != nullptr) {
+      const int32_t route = slot_to_route[src_row[i]];
+      src_row[i] = route < 0 ? -1 : route / top_k;
+    }
+  }
+  uint4 staged[kStagedChunks];
+#pragma unroll
+  for (int i = 0; i < kStagedChunks; ++i) {
+    staged[i] = src_row[i] < 0 ? make_uint4(0, 0, 0, 0) : src[(src_row[i] * cols + col0) / 8 + chunk];
+  }
+#pragma unroll
+  for (int i = 0; i < kStagedChunks; ++i) {
+    uint32_t* dst = tile + (int(threadIdx.x) / kChunksPerRow + i * (kThreads / kChunksPerRow)) * kRowWords + chunk * 4;
+    dst[0] = staged[i].x;
+    dst[1] = staged[i].y;
+    dst[2] = staged[i].z;
+    dst[3] = staged[i].w;
+  }
+  __syncthreads();
+
+  // 2. Quantise: this thread's 32 rows of its two columns, held as bf16 pairs.
+  const int pair = int(threadIdx.x) % (kTile / 2);
+  const int quarter = int(threadIdx.x) / (kTile / 2);
+  uint32_t held[kQuarterRows];
+  float amax[2] = {0.f, 0.f};
+  bool nan[2] = {false, false};
+#pragma unroll
+  for (int i = 0; i < kQuarterRows; ++i) {
+    held[i] = tile[(quarter * kQuarterRows + i) * kRowWords + pair];
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&held[i]));
+    amax[0] = fmaxf(amax[0], fabsf(f.x));
+    amax[1] = fmaxf(amax[1], fabsf(f.y));
+    nan[0] |= f.x != f.x;
+    nan[1] |= f.y != f.y;
+  }
+  float scale[2];
+  if constexpr (InBlocks) {  // the tile's amax: each warp's, then the 8 warps'
+    float warp_amax = fmaxf(amax[0], amax[1]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      warp_amax = fmaxf(warp_amax, __shfl_xor_sync(0xffffffffu, warp_amax, offset));
+    }
+    const bool warp_nan = __any_sync(0xffffffffu, nan[0] || nan[1]);
+    if (threadIdx.x % 32 == 0) {
+      amax_part[0][threadIdx.x / 32] = warp_amax;
+      nan_part[0][threadIdx.x / 32] = warp_nan;
+    }
+    __syncthreads();
+    float tile_amax = 0.f;
+    bool tile_nan = false;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      tile_amax = fmaxf(tile_amax, amax_part[0][w]);
+      tile_nan |= nan_part[0][w] != 0;
+    }
+    scale[0] = scale[1] = fp8::block_scale(tile_amax, tile_nan);
+  } else {  // each column's amax over the 4 quarters of its rows
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      amax_part[quarter][2 * pair + c] = amax[c];
+      nan_part[quarter][2 * pair + c] = nan[c];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float column_amax = 0.f;
+      bool column_nan = false;
+#pragma unroll
+      for (int q = 0; q < kQuarters; ++q) {
+        column_amax = fmaxf(column_amax, amax_part[q][2 * pair + c]);
+        column_nan |= nan_part[q][2 * pair + c] != 0;
+      }
+      scale[c] = fp8::block_scale(column_amax, column_nan);
+    }
+  }
+  // Every thread has read its rows from the staged tile (the barrier above): the e4m3 tile replaces
+  // it, column c at bytes [128 c, +128), this thread's 32 rows of each of its columns as two chunks.
+  uint4* out_tile = reinterpret_cast<uint4*>(tile);
+  const auto out_chunk = [&](int column, int chunk_of_column) {  // chunk q sits at q ^ (column / 2 % 8)
+    return out_tile + column * (kTile / 16) + (chunk_of_column ^ (column / 2 % 8));
+  };
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const float inverse = fp8::inverse(scale[c]);
+    uint32_t words[kQuarterRows / 4];
+#pragma unroll
+    for (int w = 0; w < kQuarterRows / 4; ++w) {
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&held[4 * w + i]));
+        v[i] = c ? f.y : f.x;
+      }
+      words[w] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
+    }
+    const int column = 2 * pair + c, first = quarter * (kQuarterRows / 16);
+    *out_chunk(column, first) = make_uint4(words[0], words[1], words[2], words[3]);
+    *out_chunk(column, first + 1) = make_uint4(words[4], words[5], words[6], words[7]);
+    if constexpr (!InBlocks) {
+      if (quarter == 0) scales[int64_t(block_row) * cols + col0 + 2 * pair + c] = scale[c];
+    }
+  }
+  if constexpr (InBlocks) {
+    if (threadIdx.x == 0) scales[int64_t(col_tile) * (rows / kTile) + block_row] = scale[0];
+  }
+  __syncthreads();
+
+  // 3. Write: chunk j of the e4m3 tile is bytes [16 (j % 8), +16) of column j / 8's 128 rows.
+#pragma unroll
+  for (int i = 0; i < kOutChunks; ++i) {
+    const int j = i * kThreads + int(threadIdx.x), column = j / (kTile / 16);
+    q_t[((col0 + column) * rows + row0) / 16 + j % (kTile / 16)] = *out_chunk(column, j % (kTile / 16));
+  }
+}
+
+}  // namespace
+}  // namespace megamoe
+
+extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
+                                              const megamoe_transpose_quantize_fp8_args* args, void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_transpose_quantize_fp8: ";
+  MEGAMOE_RETURN_IF_ERROR(routing::check_plan(fn, plan));
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_transpose_quantize_fp8_args& a = *args;
+  if (a.src == nullptr || a.q_t == nullptr || a.scales == nullptr || plan->num_blocks == nullptr) {
+    return invalid_argument(fn + "src, q_t, scales and the plan's num_blocks must be non-null");
+  }
+  if (!aligned16(a.src) || !aligned16(a.q_t)) return invalid_argument(fn + "src and q_t must be 16-byte aligned");
+  if (a.cols <= 0 || a.cols % kTile != 0) {
+    return invalid_argument(fn + "cols must be a positive multiple of 128 (block-FP8 scale blocks), got " +
+                            std::to_string(a.cols));
+  }
+  if (a.src_rows != MEGAMOE_ROWS_POOL && a.src_rows != MEGAMOE_ROWS_TOKENS) {
+    return invalid_argument(fn + "src_rows must be MEGAMOE_ROWS_POOL or MEGAMOE_ROWS_TOKENS, got " +
+                            std::to_string(a.src_rows));
+  }
+  const bool tokens = a.src_rows == MEGAMOE_ROWS_TOKENS;
+  if (tokens && plan->slot_to_route == nullptr) {
+    return invalid_argument(fn + "token rows need the plan's slot_to_route");
+  }
+  if (a.blocks != MEGAMOE_FP8_ALONG_ROWS && a.blocks != MEGAMOE_FP8_IN_BLOCKS) {
+    return invalid_argument(fn + "blocks must be MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS, got " +
+                            std::to_string(a.blocks));
+  }
+  const int64_t rows = routing::pool_rows(*plan);
+  if (rows == 0) return MEGAMOE_OK;
+  const dim3 grid(unsigned(rows / kTile), unsigned(a.cols / kTile));
+  const auto s = static_cast<cudaStream_t>(stream);
+  const auto* src = static_cast<const uint4*>(a.src);
+  auto* q_t = static_cast<uint4*>(a.q_t);
+  const int32_t* slot_to_route = tokens ? plan->slot_to_route : nullptr;
+  const int32_t top_k = plan->shape.top_k;
+  if (a.blocks == MEGAMOE_FP8_IN_BLOCKS) {
+    transpose_quantize<true><<<grid, kThreads, 0, s>>>(src, q_t, a.scales, plan->num_blocks, slot_to_route, top_k,
+                                                       rows, a.cols);
+  } else {
+    transpose_quantize<false><<<grid, kThreads, 0, s>>>(src, q_t, a.scales, plan->num_blocks, slot_to_route, top_k,
+                                                        rows, a.cols);
+  }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
