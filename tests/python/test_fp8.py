@@ -113,7 +113,6 @@ def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
     assert dz_scales[:, int(plan.route_to_slot[3, 0])].isnan().any()
 
 
-
 @requires_cuda
 def test_the_weights_dispatched_alone_are_the_dispatchs():
     """The FP8 backward's dh takes only the routes' weights from the dispatch (it reads dy in e4m3)."""
@@ -130,6 +129,7 @@ def test_a_dispatch_of_nothing_raises():
     plan = build_routing(torch.zeros(4, 2, dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="needs rows, weights or both"):
         dispatch(plan, None)
+
 
 @requires_cuda
 @pytest.mark.parametrize("in_blocks", [False, True])
