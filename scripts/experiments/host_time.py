@@ -16,6 +16,7 @@ import time
 import torch
 
 import megamoe
+import megamoe.fp8
 import megamoe.functional
 import megamoe.fused
 from megamoe import _native
@@ -35,6 +36,8 @@ def stub_native_calls() -> None:
     _native.stream = lambda device: 0
     megamoe.functional.check_fused_support = lambda *args, **kwargs: None  # it refuses CPU tensors
     megamoe.fused.IdRangeCheck = _NoIdCheck
+    # The FP8 quantisers take the core's path (stubbed) for CPU tensors too, not torch's fallback.
+    megamoe.fp8._on_core = lambda a: a.dtype == torch.bfloat16 and a.is_contiguous()
 
 
 def per_call_us(fn, calls: int, rounds: int) -> float:

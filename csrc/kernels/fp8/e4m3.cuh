@@ -20,6 +20,33 @@ __device__ __forceinline__ float block_scale(float amax, bool nan) {
 
 __device__ __forceinline__ float inverse(float scale) { return 1.f / scale; }
 
+// The scale of one block held by a whole CTA of Threads threads (1-D), each passing the amax and NaN
+// flag of its part: reduced within each warp, then across the warps through shared memory. Every
+// thread of the CTA calls it (it holds a barrier) and gets the scale; once per CTA, as its scratch is
+// not guarded against a second call.
+template <int Threads>
+__device__ __forceinline__ float cta_block_scale(float amax, bool nan) {
+  static_assert(Threads % 32 == 0, "whole warps");
+  __shared__ float warp_amax[Threads / 32];
+  __shared__ bool warp_nan[Threads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  nan = __any_sync(0xffffffffu, nan);
+  if (threadIdx.x % 32 == 0) {
+    warp_amax[threadIdx.x / 32] = amax;
+    warp_nan[threadIdx.x / 32] = nan;
+  }
+  __syncthreads();
+  amax = 0.f;
+  nan = false;
+#pragma unroll
+  for (int w = 0; w < Threads / 32; ++w) {
+    amax = fmaxf(amax, warp_amax[w]);
+    nan |= warp_nan[w];
+  }
+  return block_scale(amax, nan);
+}
+
 // Two values as two e4m3 bytes (the first in the low byte), given their block's inverse(scale).
 __device__ __forceinline__ uint16_t to_e4m3x2(float a, float b, float inverse) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);

@@ -73,19 +73,7 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
       nan |= f.x != f.x || f.y != f.y;
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  __shared__ float warp_amax[kBlockThreads / 32];
-  __shared__ int any_nan;
-  if (threadIdx.x == 0) any_nan = 0;
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
-  if (__any_sync(0xffffffffu, nan) && threadIdx.x % 32 == 0) any_nan = 1;
-  __syncthreads();
-  amax = 0.f;
-#pragma unroll
-  for (int w = 0; w < kBlockThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float scale = fp8::block_scale(amax, any_nan);
+  const float scale = fp8::cta_block_scale<kBlockThreads>(amax, nan);
   const float inverse = fp8::inverse(scale);
   if (threadIdx.x == 0) scales[block] = scale;
 #pragma unroll

@@ -96,26 +96,8 @@ transpose_quantize(const uint4* __restrict__ src, uint4* __restrict__ q_t, float
     nan[1] |= f.y != f.y;
   }
   float scale[2];
-  if constexpr (InBlocks) {  // the tile's amax: each warp's, then the 8 warps'
-    float warp_amax = fmaxf(amax[0], amax[1]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      warp_amax = fmaxf(warp_amax, __shfl_xor_sync(0xffffffffu, warp_amax, offset));
-    }
-    const bool warp_nan = __any_sync(0xffffffffu, nan[0] || nan[1]);
-    if (threadIdx.x % 32 == 0) {
-      amax_part[0][threadIdx.x / 32] = warp_amax;
-      nan_part[0][threadIdx.x / 32] = warp_nan;
-    }
-    __syncthreads();
-    float tile_amax = 0.f;
-    bool tile_nan = false;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) {
-      tile_amax = fmaxf(tile_amax, amax_part[0][w]);
-      tile_nan |= nan_part[0][w] != 0;
-    }
-    scale[0] = scale[1] = fp8::block_scale(tile_amax, tile_nan);
+  if constexpr (InBlocks) {  // the tile's amax
+    scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fmaxf(amax[0], amax[1]), nan[0] || nan[1]);
   } else {  // each column's amax over the 4 quarters of its rows
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -135,7 +117,7 @@ transpose_quantize(const uint4* __restrict__ src, uint4* __restrict__ q_t, float
       scale[c] = fp8::block_scale(column_amax, column_nan);
     }
   }
-  // Every thread has read its rows from the staged tile (the barrier above): the e4m3 tile replaces
+  // Every thread has read its rows from the staged tile (both branches hold a barrier): the e4m3 tile replaces
   // it, column c at bytes [128 c, +128), this thread's 32 rows of each of its columns as two chunks.
   uint4* out_tile = reinterpret_cast<uint4*>(tile);
   const auto out_chunk = [&](int column, int chunk_of_column) {  // chunk q sits at q ^ (column / 2 % 8)
