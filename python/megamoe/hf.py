@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .functional import moe
-from .validation import FLOAT_DTYPES, check_options
+from .validation import FLOAT_DTYPES, check_options, group_rank_and_size
 
 # The decorator's flags that mark an experts module, with the values of megamoe's layout.
 _EXPECTED_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
@@ -34,6 +34,7 @@ _UNSUPPORTED_FLAGS = {"has_post_expert_norm": "a norm after each expert", "_is_e
 HF_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 _STATE = "_megamoe_activation"  # on a served experts module: the activation megamoe computes it with
 _FALLBACK = "_megamoe_fallback"  # on every candidate: the experts implementation it had before megamoe
+_SHARD = "_megamoe_shard"  # on a served experts module that holds one rank's experts: (rank, world)
 
 
 def _require_transformers():
@@ -119,7 +120,7 @@ def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "bf16",
-                   recompute: bool | str = False) -> nn.Module:
+                   recompute: bool | str = False, group=None) -> nn.Module:
     """Makes transformers MoE `model` run its experts through `megamoe.moe(backend, precision)`.
 
     Serves every experts module of transformers' `use_experts_implementation` in megamoe's layout
@@ -134,8 +135,14 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     The experts' own `gate_up_proj` / `down_proj` are used in place (no copies); the model keeps
     computing its router logits, aux loss and shared experts itself. Patching again switches the
     backend. Returns model.
+
+    group (expert parallelism, backend "fused"): a torch.distributed group of W ranks, each running this
+    model on its own tokens. Every served experts module keeps only this rank's E/W experts, [r E/W,
+    (r + 1) E/W): its gate_up_proj and down_proj become Parameters of those experts (the others' memory
+    is freed; expert_parallel_parameters lists them), and the router's global ids reach their owners
+    through `megamoe.moe(..., group=group)`. A module megamoe leaves alone keeps all its experts.
     """
-    check_options(backend, precision, recompute)
+    check_options(backend, precision, recompute, group=group)
     served, refused = experts_modules(model)
     if not served:
         why = "".join(f"; {name}: {reason}" for name, _, reason in refused) or "; it has no experts module"
@@ -143,7 +150,9 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
                         f"(Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...); {type(model).__name__} has none{why}")
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")
-    implementation = _register(backend, precision, recompute)
+    for name, experts, _ in served:
+        _keep_local_experts(name, experts, group)
+    implementation = _register(backend, precision, recompute, group)
     for _, experts, _ in served + refused:  # what a module megamoe leaves alone keeps running
         if _FALLBACK not in vars(experts):
             current = getattr(getattr(experts, "config", None), "_experts_implementation", None)
@@ -170,7 +179,35 @@ def _refused_message(refused: list[tuple[str, nn.Module, str]], model_name: str)
             f"implementation:{lines}")
 
 
-def _register(backend: str, precision: str, recompute: bool | str) -> str:
+def _keep_local_experts(name: str, experts: nn.Module, group) -> None:
+    """Makes `experts` hold this rank's E/W experts of `group` (nothing for group None), once: a module
+    already split must be patched with a group of the same rank and size."""
+    shard = (0, 1) if group is None else group_rank_and_size(group)
+    held = vars(experts).get(_SHARD, (0, 1))
+    if held == shard:
+        return
+    if held != (0, 1):
+        raise ValueError(f"{name} holds the experts of rank {held[0]} of {held[1]} (patched with a group before); "
+                         f"it cannot be patched for rank {shard[0]} of {shard[1]}: patch a freshly loaded model")
+    rank, world = shard
+    num_experts = experts.gate_up_proj.shape[0]
+    if num_experts % world:
+        raise ValueError(f"{name} has {num_experts} experts, which {world} ranks cannot split evenly")
+    local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
+    for attr in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, attr)
+        setattr(experts, attr, nn.Parameter(weight.detach()[local].clone(), requires_grad=weight.requires_grad))
+    setattr(experts, _SHARD, shard)
+
+
+def expert_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that hold one rank's experts (patch_hf_model with a group): what each
+    rank trains alone, where every other parameter is replicated across the ranks."""
+    return [getattr(module, attr) for module in model.modules() if vars(module).get(_SHARD, (0, 1))[1] > 1
+            for attr in ("gate_up_proj", "down_proj")]
+
+
+def _register(backend: str, precision: str, recompute: bool | str, group) -> str:
     hf_moe = _require_transformers()
 
     def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
@@ -181,10 +218,12 @@ def _register(backend: str, precision: str, recompute: bool | str) -> str:
             return fallback(experts, hidden_states, top_k_index, top_k_weights)
         return moe(hidden_states.contiguous(), top_k_index, top_k_weights, experts.gate_up_proj,
                    experts.down_proj, backend=backend, precision=precision, recompute=recompute,
-                   activation=activation)
+                   activation=activation, group=group)
 
+    # The registry is global and keyed by name: a group's entry is named after that group object.
     implementation = (f"megamoe_{backend}_{precision}" + ("_recompute" if recompute else "")
-                      + ("_gather" if recompute == "gather" else ""))
+                      + ("_gather" if recompute == "gather" else "")
+                      + ("" if group is None else f"_group{id(group):x}"))
     # Experts classes may dispatch through a subclass of the registry with a mapping of its own (e.g.
     # transformers' FP8 experts): every module of a switched config must find the entry.
     interfaces, pending = [], [hf_moe.ExpertsInterface]

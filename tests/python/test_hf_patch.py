@@ -284,7 +284,7 @@ def test_patch_runs_the_megamoe_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    want = {"backend": "naive", "precision": "bf16", "recompute": False, "activation": "swiglu"}
+    want = {"backend": "naive", "precision": "bf16", "recompute": False, "activation": "swiglu", "group": None}
     assert calls == [want] * 2  # one per MoE layer
 
 
@@ -294,7 +294,8 @@ def test_patch_with_recompute_asks_the_fused_op_for_it(monkeypatch):
     calls = []
     monkeypatch.setattr(megamoe.hf, "moe", lambda *args, **kwargs: calls.append(kwargs) or args[0] * 0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-    assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True, "activation": "swiglu"}] * 2
+    assert calls == [{"backend": "fused", "precision": "bf16", "recompute": True, "activation": "swiglu",
+                      "group": None}] * 2
     with pytest.raises(ValueError, match="recompute=True needs backend='fused'"):
         megamoe.patch_hf_model(model, backend="grouped", recompute=True)
     assert megamoe.patch_hf_model(model, backend="fused", recompute="gather").config._experts_implementation == \

@@ -233,13 +233,19 @@ def _validate(config: Config) -> None:
              f"{_UNTRAINABLE.get(moe.precision, 'unknown')}; supported: {', '.join(TRAINABLE_PRECISIONS)}")
     why = backend_cannot_run(moe.backend, moe.precision)
     _require(why is None, "[moe].precision", moe.precision, f"{why}; set [moe].backend = 'fused' or precision = 'bf16'")
-    _require(moe.expert_parallel == 1, "[moe].expert_parallel", moe.expert_parallel,
-             "only 1 is supported for now (the training loop runs on one GPU; expert parallelism across "
-             "GPUs is not implemented yet)")
+    _require(moe.expert_parallel >= 1 and model.num_experts % moe.expert_parallel == 0, "[moe].expert_parallel",
+             moe.expert_parallel, f"must be >= 1 and divide num_experts = {model.num_experts}")
+    _require(moe.expert_parallel == 1 or moe.backend == "fused", "[moe].expert_parallel", moe.expert_parallel,
+             f"splits the experts of backend 'fused' over the ranks; backend {moe.backend!r} runs on one GPU "
+             "(set [moe].expert_parallel = 1)")
     _require(train.seq_len >= 2, "[train].seq_len", train.seq_len, "must be >= 2 (next-token prediction)")
     _require(train.activation_checkpointing in CHECKPOINTING, "[train].activation_checkpointing",
              train.activation_checkpointing, f"must be one of {', '.join(CHECKPOINTING)}")
     _require(train.activation_checkpointing != "moe-gather" or moe.backend == "fused",
              "[train].activation_checkpointing", train.activation_checkpointing,
              "is the fused experts' own (set [moe].backend = 'fused', or use 'moe')")
+    _require(train.activation_checkpointing != "moe-gather" or moe.expert_parallel == 1,
+             "[train].activation_checkpointing", train.activation_checkpointing,
+             "is not implemented with [moe].expert_parallel > 1 yet; use 'moe' (the fused experts keep only their "
+             "inputs) or 'full'")
     _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")

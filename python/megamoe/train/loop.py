@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from .config import Config, ConfigError
 from .data import SyntheticCorpus
+from .distributed import ExpertParallel, checkpoint_name, start
 from .plot import write_if_plotting, write_loss_curve
 from .trainer import Trainer, check_backend_runs_on, resolve_device
 
@@ -23,44 +26,55 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
 
     resume: None (the default) continues from <output.dir>/checkpoint.pt when there is one, so that
     rerunning a command picks up where it stopped; True requires that checkpoint; False starts over
-    (deleting it first, so an interrupted new run cannot resume the old one)."""
-    check_backend_runs_on(config, resolve_device(config))
+    (deleting it first, so an interrupted new run cannot resume the old one).
+
+    With [moe].expert_parallel = W > 1 every rank (a torchrun process) runs this: each trains on its
+    slice of a W times larger global batch and keeps a checkpoint of its own; rank 0 writes the metrics
+    (of the global batch) and the plot."""
+    ep = start(config)
+    check_backend_runs_on(config, resolve_device(config, ep))
+    lead = ep is None or ep.rank == 0
     out_dir = Path(config.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = out_dir / CHECKPOINT
+    checkpoint = out_dir / checkpoint_name(CHECKPOINT, ep)
     if resume and not checkpoint.exists():
         raise ConfigError(f"nothing to resume: {checkpoint} does not exist")
     if resume is None:
-        resume = checkpoint.exists()
+        resume = _all_ranks_have(checkpoint, ep)
     elif not resume and checkpoint.exists():
         checkpoint.unlink()
         print(f"starting over: deleted {checkpoint}", flush=True)
 
-    trainer = Trainer(config)
+    trainer = Trainer(config, ep)
     if resume:
         trainer.load(checkpoint)
-        print(f"resuming from {checkpoint} at step {trainer.step} of {config.train.steps} (--fresh starts over)",
-              flush=True)
+        if lead:
+            print(f"resuming from {checkpoint} at step {trainer.step} of {config.train.steps} (--fresh starts over)",
+                  flush=True)
     # Steps after the checkpoint (from an interrupted run) are dropped: they are trained again.
     records = [r for r in _read_metrics(out_dir / METRICS) if r["step"] <= trainer.step] if resume else []
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
     train_cfg = config.train
-    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+    ranks = 1 if ep is None else ep.world
+    tokens_per_step = ranks * train_cfg.batch_size * train_cfg.seq_len  # the global batch's
 
-    with open(out_dir / METRICS, "w") as metrics:
+    with open(out_dir / METRICS if lead else os.devnull, "w") as metrics:
         for record in records:
             metrics.write(json.dumps(record) + "\n")
         bar = tqdm(total=train_cfg.steps, initial=trainer.step, unit="step", file=sys.stderr,
-                   desc=f"{config.moe.backend}/{config.moe.precision}", disable=not progress)
+                   desc=f"{config.moe.backend}/{config.moe.precision}", disable=not (progress and lead))
         while trainer.step < train_cfg.steps:
-            input_ids = corpus.batch(trainer.step, train_cfg.batch_size, train_cfg.seq_len)
-            start = time.perf_counter()
+            input_ids = corpus.batch(trainer.step, ranks * train_cfg.batch_size, train_cfg.seq_len)
+            if ep is not None:
+                input_ids = ep.batch_slice(input_ids)
+            start_time = time.perf_counter()
             result = trainer.train_step(input_ids)  # ends in a host sync: the time is the step's
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start_time
             record = {"step": trainer.step, "loss": result.loss, "lm_loss": result.lm_loss,
                       "aux_loss": result.aux_loss, "grad_norm": result.grad_norm, "lr": result.lr,
                       "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds,
-                      "backend": config.moe.backend, "precision": config.moe.precision}
+                      "backend": config.moe.backend, "precision": config.moe.precision,
+                      "expert_parallel": ranks, "peak_memory_gb": _peak_memory_gb(trainer.device)}
             records.append(record)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -71,11 +85,28 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
                 trainer.save(checkpoint)
         bar.close()
 
-    write_if_plotting(write_loss_curve, out_dir / PLOT, [r["step"] for r in records],
-                      [r["lm_loss"] for r in records],
-                      title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
-                      floor=corpus.entropy_floor())
+    if lead:
+        write_if_plotting(write_loss_curve, out_dir / PLOT, [r["step"] for r in records],
+                          [r["lm_loss"] for r in records],
+                          title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
+                          floor=corpus.entropy_floor())
     return records
+
+
+def _all_ranks_have(checkpoint: Path, ep: ExpertParallel | None) -> bool:
+    """Whether to resume by default: this rank's checkpoint exists, and so do every other rank's."""
+    if ep is None:
+        return checkpoint.exists()
+    have = ep.mean(torch.tensor([float(checkpoint.exists())], device=torch.device("cuda", torch.cuda.current_device())))
+    if 0 < have.item() < 1:
+        raise ConfigError(f"only some ranks have their checkpoint ({checkpoint} here: {checkpoint.exists()}); "
+                          "restore the missing files, or start over with --fresh")
+    return have.item() == 1
+
+
+def _peak_memory_gb(device: torch.device) -> float | None:
+    """This process's peak of allocated GPU memory so far (what the step needs at most), or None on the CPU."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megamoe.hf import patch_hf_model, qwen3_moe_experts
+from megamoe.hf import expert_parallel_parameters, patch_hf_model, qwen3_moe_experts
 
 from .config import Config, ConfigError
+from .distributed import ExpertParallel
 
 MIN_LR_FRACTION = 0.1  # cosine decay ends at 10% of the peak learning rate
 # What a step raises when its backend cannot run here: not built yet, another GPU, an unsupported size,
@@ -31,7 +32,9 @@ class StepResult:
     lr: float
 
 
-def resolve_device(config: Config) -> torch.device:
+def resolve_device(config: Config, ep: ExpertParallel | None = None) -> torch.device:
+    if ep is not None:  # distributed.start chose this rank's GPU
+        return torch.device("cuda", torch.cuda.current_device())
     if config.train.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.train.device == "cuda" and not torch.cuda.is_available():
@@ -46,9 +49,10 @@ def check_backend_runs_on(config: Config, device: torch.device) -> None:
                           "the CPU runs --backend grouped or --backend naive")
 
 
-def build_model(config: Config, device: torch.device) -> torch.nn.Module:
+def build_model(config: Config, device: torch.device, ep: ExpertParallel | None = None) -> torch.nn.Module:
     """Qwen3MoeForCausalLM from config.model, initialised from config.train.seed (the same weights for
-    every backend on one device), in bf16, experts through megamoe, with the chosen checkpointing."""
+    every backend on one device, and on every rank), in bf16, experts through megamoe (with ep, each
+    rank keeps its share of them), with the chosen checkpointing."""
     try:
         from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     except ImportError as error:
@@ -67,7 +71,8 @@ def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     # keep z and gather x again ("moe-gather").
     fused_recompute = checkpointing == "moe" and config.moe.backend == "fused"
     recompute = "gather" if checkpointing == "moe-gather" else fused_recompute
-    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=recompute)
+    patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=recompute,
+                   group=None if ep is None else ep.group)
     if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif checkpointing == "moe" and not fused_recompute:
@@ -86,10 +91,12 @@ def recompute_experts(model: torch.nn.Module) -> None:
 
 
 class Trainer:
-    def __init__(self, config: Config):
-        self.config = config
-        self.device = resolve_device(config)
-        self.model = build_model(config, self.device)
+    def __init__(self, config: Config, ep: ExpertParallel | None = None):
+        """ep: this process's rank of [moe].expert_parallel > 1 (distributed.start), else None."""
+        self.config, self.ep = config, ep
+        self.device = resolve_device(config, ep)
+        self.model = build_model(config, self.device, ep)
+        self.own_experts = expert_parallel_parameters(self.model)  # trained by this rank alone
         train = config.train
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
@@ -115,13 +122,21 @@ class Trainer:
         out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
         out.loss.backward()
         clip = self.config.train.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.ep is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        else:
+            self.ep.reduce_gradients(self.model, self.own_experts)
+            grad_norm = self.ep.grad_norm(self.model, self.own_experts)
+            if math.isfinite(clip):
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         coef = self.config.model.router_aux_loss_coef
-        loss, aux_loss, grad_norm = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(),
-                                                 grad_norm.float()]).tolist()  # one host sync
+        losses = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
+        if self.ep is not None:  # the global batch's
+            losses = self.ep.mean(losses)
+        loss, aux_loss, grad_norm = torch.cat([losses, grad_norm.float().view(1)]).tolist()  # one host sync
         return StepResult(loss=loss, lm_loss=loss - coef * aux_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr)
 
     def save(self, path: Path) -> None:
@@ -138,6 +153,11 @@ class Trainer:
         if saved_model != self.config.to_dict()["model"]:
             raise ConfigError(f"{path} was written for a different [model] ({saved_model}); "
                               "resume with the config it was trained with, or start over with --fresh")
+        saved_ranks = state["config"]["moe"].get("expert_parallel", 1)
+        if saved_ranks != self.config.moe.expert_parallel:
+            raise ConfigError(f"{path} holds one rank's experts of [moe].expert_parallel = {saved_ranks}, not "
+                              f"{self.config.moe.expert_parallel}; resume with that many ranks, or start over "
+                              "with --fresh")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]

@@ -1,0 +1,107 @@
+"""The training loop with [moe].expert_parallel = W: the launch and config checks, the split of the
+Hugging Face model's experts over the ranks, and (GPU) W ranks on one GPU training as one process
+does on the whole global batch."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import requires_cuda
+from test_expert_parallel import _sm90
+
+pytest.importorskip("transformers")
+
+from megamoe.hf import expert_parallel_parameters, patch_hf_model, qwen3_moe_experts  # noqa: E402
+from megamoe.train import ConfigError, train  # noqa: E402
+from megamoe.train.distributed import checkpoint_name  # noqa: E402
+from megamoe.train.trainer import build_model  # noqa: E402
+from test_train import tiny  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+
+
+def test_expert_parallel_without_torchrun_says_how_to_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = tiny(tmp_path, "moe.backend=fused", "moe.expert_parallel=2", "train.device=auto")
+    with pytest.raises(ConfigError, match=r"launch with `torchrun --nproc-per-node 2 -m megamoe\.train"):
+        train(config, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_gathering_x_again_is_refused_with_expert_parallelism(tmp_path):
+    with pytest.raises(ConfigError, match=r"activation_checkpointing = 'moe-gather': is not implemented with "
+                                          r"\[moe\]\.expert_parallel > 1"):
+        tiny(tmp_path, "moe.backend=fused", "moe.expert_parallel=2", "train.activation_checkpointing=moe-gather")
+
+
+def test_each_rank_has_a_checkpoint_of_its_own():
+    class Rank:
+        rank, world = 1, 4
+
+    assert checkpoint_name("checkpoint.pt", None) == "checkpoint.pt"
+    assert checkpoint_name("checkpoint.pt", Rank()) == "checkpoint.rank1-of-4.pt"
+
+
+def _split_experts(rank, world, port, out_dir):
+    _as_torchrun_rank(rank, world, port)
+    dist.init_process_group("gloo")
+    config = tiny(out_dir, "moe.backend=fused")
+    model = build_model(config, torch.device("cpu"))
+    whole = [(e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for e in qwen3_moe_experts(model)]
+    patch_hf_model(model, backend="fused", group=dist.group.WORLD)
+    experts = qwen3_moe_experts(model)
+    local = slice(rank * 4, rank * 4 + 4)  # 8 experts over 2 ranks
+    for e, (gate_up, down) in zip(experts, whole):
+        assert torch.equal(e.gate_up_proj, gate_up[local]) and torch.equal(e.down_proj, down[local])
+        assert isinstance(e.gate_up_proj, torch.nn.Parameter) and e.gate_up_proj.requires_grad
+    assert {id(p) for p in expert_parallel_parameters(model)} == {
+        id(p) for e in experts for p in (e.gate_up_proj, e.down_proj)}
+    assert {id(p) for p in model.parameters()} >= {id(p) for p in expert_parallel_parameters(model)}
+    patch_hf_model(model, backend="fused", group=dist.group.WORLD)  # the same split again: nothing changes
+    assert experts[0].gate_up_proj.shape[0] == 4
+    with pytest.raises(ValueError, match=r"holds the experts of rank \d of 2 \(patched with a group before\)"):
+        patch_hf_model(model, backend="fused")
+    dist.destroy_process_group()
+
+
+def test_a_group_splits_every_experts_module_over_the_ranks(tmp_path):
+    mp.spawn(_split_experts, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+def _train_rank(rank, world, port, out_dir, overrides):
+    _as_torchrun_rank(rank, world, port)
+    train(tiny(out_dir, "train.device=cuda", "moe.backend=fused", f"moe.expert_parallel={world}", *overrides),
+          progress=False)
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path):
+    steps = ("train.steps=4", "output.checkpoint_every=4")
+    mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", *steps]), nprocs=2,
+             join=True)
+    one = train(tiny(tmp_path / "one", "train.device=cuda", "moe.backend=fused", "train.batch_size=4", *steps),
+                progress=False)
+    ep = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ep] == [1, 2, 3, 4] and {r["expert_parallel"] for r in ep} == {2}
+    # The same global batch and the same mean loss; only the order of the gradient sums differs.
+    assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], rel=1e-2)
+    assert [r["grad_norm"] for r in ep] == pytest.approx([r["grad_norm"] for r in one], rel=5e-2)
+    assert ep[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-3)  # before any update: the same model
+    assert all(r["peak_memory_gb"] > 0 for r in ep)
+    assert sorted(p.name for p in (tmp_path / "ep").glob("checkpoint*.pt")) == [
+        "checkpoint.rank0-of-2.pt", "checkpoint.rank1-of-2.pt"]
