@@ -32,10 +32,14 @@ class ExpertParallel:
 
     def reduce_gradients(self, model: torch.nn.Module, experts: list[torch.nn.Parameter]) -> None:
         """The gradients of the mean loss over every rank's tokens: the replicated parameters' averaged
-        over the ranks (in fp32, one all-reduce), the experts' (this rank's own) divided by W."""
+        over the ranks (summed in fp32), the experts' (this rank's own) divided by W."""
         expert_ids = {id(p) for p in experts}
         replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
-        for p in replicated:  # every rank reduces the same tensors, whatever its tokens reached
+        # The same tensors on every rank: those with a gradient on any rank (zeros where this one has none).
+        device = replicated[0].device
+        has_grad = self._sum(torch.tensor([float(p.grad is not None) for p in replicated], device=device))
+        replicated = [p for p, count in zip(replicated, has_grad.tolist()) if count > 0]
+        for p in replicated:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in replicated]
