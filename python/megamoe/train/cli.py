@@ -38,8 +38,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = train(config, resume=True if args.resume else False if args.fresh else None)
     except ConfigError as error:
         parser.error(str(error))
-    if records:
+    if records and _lead_rank():
         last = records[-1]
-        written = [name for name in (METRICS, PLOT, CHECKPOINT) if (Path(config.output.dir) / name).exists()]
+        stem, suffix = CHECKPOINT.split(".")  # and each rank's checkpoint.rank<r>-of-<W>.pt
+        written = [path.name for path in sorted(Path(config.output.dir).iterdir())
+                   if path.name in (METRICS, PLOT) or (path.name.startswith(stem) and path.suffix == f".{suffix}")]
         print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/{{{', '.join(written)}}}")
     return 0
+
+
+def _lead_rank() -> bool:
+    """Whether this process reports: the only one, or rank 0 of [moe].expert_parallel's ranks."""
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
