@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <string>
 
-#include "common/device.h"
 #include "common/status.h"
 #include "routing/routing.h"
 
@@ -240,7 +239,7 @@ struct ChunkLaunch {
 int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
   int device = 0, optin = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_RETURN_IF_ERROR(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, &optin));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const size_t per_warp = size_t(s.num_local_experts) * sizeof(int32_t);
   const int warps = int(std::min<size_t>(kWarpsPerCta, size_t(optin) / per_warp));
   if (warps < 1) {
@@ -250,8 +249,10 @@ int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
   }
   *launch = {warps, size_t(warps) * per_warp};
   if (launch->shared_bytes > 48 * 1024) {  // above the default limit: opt in
-    MEGAMOE_RETURN_IF_ERROR(allow_dynamic_smem<count_chunks>(device, int(launch->shared_bytes)));
-    MEGAMOE_RETURN_IF_ERROR(allow_dynamic_smem<assign_slots>(device, int(launch->shared_bytes)));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(count_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      int(launch->shared_bytes)));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(assign_slots, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      int(launch->shared_bytes)));
   }
   return MEGAMOE_OK;
 }

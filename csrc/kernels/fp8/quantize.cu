@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <string>
 
-#include "common/device.h"
 #include "common/status.h"
 #include "common/vec16.cuh"
 #include "kernels/fp8/quantize_row.cuh"
@@ -119,7 +118,8 @@ int row_grid(const std::string& fn, const void* a, int a_alignment, const void* 
                             std::to_string(q_alignment) + "-byte aligned");
   }
   int device = 0, sms = 0;
-  MEGAMOE_RETURN_IF_ERROR(current_device_sms(&device, &sms));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   *grid = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * 16, (warps + kWarpsPerCta - 1) / kWarpsPerCta)));
   return MEGAMOE_OK;
 }

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <string>
 
-#include "common/device.h"
 #include "common/status.h"
 #include "kernels/grouped_gemm/kernel.cuh"
 #include "kernels/grouped_gemm/problem.h"
@@ -25,10 +24,12 @@ template <class Epi, class Sched>
 int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Params& epi,
            const typename Sched::Params& sched, void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
   using Cfg = typename Epi::Cfg;
-  constexpr auto kernel = grouped_gemm_kernel<Epi, Sched>;
+  auto kernel = grouped_gemm_kernel<Epi, Sched>;
   int device = 0, sms = 0;
-  MEGAMOE_RETURN_IF_ERROR(current_device_sms(&device, &sms));
-  MEGAMOE_RETURN_IF_ERROR(allow_dynamic_smem<kernel>(device, Cfg::kSmemBytes));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int64_t max_tiles = Sched::max_tiles(sched);
   const int grid = int(max_tiles < sms ? max_tiles : sms);
   kernel<<<grid, kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(a, b, mainloop, epi, sched);
