@@ -5,6 +5,7 @@ does on the whole global batch."""
 import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ pytest.importorskip("transformers")
 
 from megamoe.hf import expert_parallel_parameters, patch_hf_model, qwen3_moe_experts  # noqa: E402
 from megamoe.train import ConfigError, train  # noqa: E402
-from megamoe.train.distributed import checkpoint_name  # noqa: E402
+from megamoe.train.distributed import ExpertParallel, checkpoint_name  # noqa: E402
+from megamoe.train.loop import _all_ranks_have  # noqa: E402
 from megamoe.train.trainer import build_model  # noqa: E402
 from test_train import tiny  # noqa: E402
 
@@ -105,3 +107,35 @@ def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path)
     assert all(r["peak_memory_gb"] > 0 for r in ep)
     assert sorted(p.name for p in (tmp_path / "ep").glob("checkpoint*.pt")) == [
         "checkpoint.rank0-of-2.pt", "checkpoint.rank1-of-2.pt"]
+
+
+def _reduce_on_cpu(rank, world, port, out_dir):
+    _as_torchrun_rank(rank, world, port)
+    dist.init_process_group("gloo")
+    ep = ExpertParallel(dist.group.WORLD, rank, world)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    shared, own, unused = model[0].weight, model[1].weight, model[1].bias
+    shared.grad = torch.full_like(shared, float(rank + 1))  # ranks 1 and 2: mean 1.5
+    own.grad = torch.full_like(own, 4.0)
+    model[0].bias.grad = torch.ones_like(model[0].bias) if rank == 0 else None  # one rank has it
+    assert unused.grad is None
+    ep.reduce_gradients(model, [own])
+    assert torch.equal(shared.grad, torch.full_like(shared, 1.5))
+    assert torch.equal(model[0].bias.grad, torch.full_like(model[0].bias, 0.5))
+    assert unused.grad is None  # no rank has one: the optimizer skips it, as in one process
+    assert torch.equal(own.grad, torch.full_like(own, 2.0))  # this rank's experts, divided by W
+    # Replicated gradients once, both ranks' experts: 16 · 1.5² + 4 · 0.5² + 2 ranks · 8 · 2².
+    assert ep.grad_norm(model, [own]).item() == pytest.approx((16 * 1.5 ** 2 + 4 * 0.25 + 2 * 8 * 4.0) ** 0.5)
+    assert ep.mean(torch.tensor([float(rank)])).item() == 0.5
+    assert torch.equal(ep.batch_slice(torch.arange(8).view(4, 2)), torch.arange(8).view(4, 2)[2 * rank:2 * rank + 2])
+    checkpoint = Path(out_dir) / checkpoint_name("checkpoint.pt", ep)
+    assert not _all_ranks_have(checkpoint, ep)
+    if rank == 0:
+        checkpoint.write_bytes(b"")
+    with pytest.raises(ConfigError, match="only some ranks have their checkpoint"):
+        _all_ranks_have(checkpoint, ep)
+    dist.destroy_process_group()
+
+
+def test_gradients_norm_and_losses_are_the_global_batchs(tmp_path):
+    mp.spawn(_reduce_on_cpu, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -67,9 +67,11 @@ class ExpertParallel:
         return self._sum(values.float()) / self.world
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the ranks (through the host for gloo, which serves ranks that share a GPU)."""
+        """t summed over the ranks, on t's device: reduced on the host for gloo (which serves ranks that
+        share a GPU, and the CPU), on this rank's GPU otherwise."""
         on_host = dist.get_backend(self.group) == "gloo"
-        reduced = t.to("cpu") if on_host else t.clone()
+        device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
+        reduced = t.to(device, copy=True)
         dist.all_reduce(reduced, group=self.group)
         return reduced.to(t.device)
 

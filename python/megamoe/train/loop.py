@@ -97,11 +97,11 @@ def _all_ranks_have(checkpoint: Path, ep: ExpertParallel | None) -> bool:
     """Whether to resume by default: this rank's checkpoint exists, and so do every other rank's."""
     if ep is None:
         return checkpoint.exists()
-    have = ep.mean(torch.tensor([float(checkpoint.exists())], device=torch.device("cuda", torch.cuda.current_device())))
-    if 0 < have.item() < 1:
+    have = ep.mean(torch.tensor([float(checkpoint.exists())])).item()
+    if 0 < have < 1:
         raise ConfigError(f"only some ranks have their checkpoint ({checkpoint} here: {checkpoint.exists()}); "
                           "restore the missing files, or start over with --fresh")
-    return have.item() == 1
+    return have == 1
 
 
 def _peak_memory_gb(device: torch.device) -> float | None:
