@@ -50,6 +50,12 @@ def test_gathering_x_again_is_refused_with_expert_parallelism(tmp_path):
         tiny(tmp_path, "moe.backend=fused", "moe.expert_parallel=2", "train.activation_checkpointing=moe-gather")
 
 
+def test_more_ranks_than_one_host_has_gpus_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[moe\]\.expert_parallel = 16: exceeds 8: expert parallelism runs over "
+                                          r"the GPUs of one host"):
+        tiny(tmp_path, "model.num_experts=32", "moe.backend=fused", "moe.expert_parallel=16")
+
+
 def test_each_rank_has_a_checkpoint_of_its_own():
     class Rank:
         rank, world = 1, 4

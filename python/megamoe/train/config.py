@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megamoe._native import MAX_PEERS
 from megamoe.shapes import PRESETS, MoEShape
 from megamoe.validation import BACKENDS
 
@@ -235,6 +236,8 @@ def _validate(config: Config) -> None:
     _require(why is None, "[moe].precision", moe.precision, f"{why}; set [moe].backend = 'fused' or precision = 'bf16'")
     _require(moe.expert_parallel >= 1 and model.num_experts % moe.expert_parallel == 0, "[moe].expert_parallel",
              moe.expert_parallel, f"must be >= 1 and divide num_experts = {model.num_experts}")
+    _require(moe.expert_parallel <= MAX_PEERS, "[moe].expert_parallel", moe.expert_parallel,
+             f"exceeds {MAX_PEERS}: expert parallelism runs over the GPUs of one host (CUDA IPC)")
     _require(moe.expert_parallel == 1 or moe.backend == "fused", "[moe].expert_parallel", moe.expert_parallel,
              f"splits the experts of backend 'fused' over the ranks; backend {moe.backend!r} runs on one GPU "
              "(set [moe].expert_parallel = 1)")
