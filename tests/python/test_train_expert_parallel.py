@@ -57,11 +57,8 @@ def test_more_ranks_than_one_host_has_gpus_are_refused(tmp_path):
 
 
 def test_each_rank_has_a_checkpoint_of_its_own():
-    class Rank:
-        rank, world = 1, 4
-
-    assert checkpoint_name("checkpoint.pt", None) == "checkpoint.pt"
-    assert checkpoint_name("checkpoint.pt", Rank()) == "checkpoint.rank1-of-4.pt"
+    assert checkpoint_name("checkpoint.pt", 0, 1) == "checkpoint.pt"
+    assert checkpoint_name("checkpoint.pt", 1, 4) == "checkpoint.rank1-of-4.pt"
 
 
 def _split_experts(rank, world, port, out_dir):
@@ -134,7 +131,7 @@ def _reduce_on_cpu(rank, world, port, out_dir):
     assert ep.grad_norm(model, [own]).item() == pytest.approx((16 * 1.5 ** 2 + 4 * 0.25 + 2 * 8 * 4.0) ** 0.5)
     assert ep.mean(torch.tensor([float(rank)])).item() == 0.5
     assert torch.equal(ep.batch_slice(torch.arange(8).view(4, 2)), torch.arange(8).view(4, 2)[2 * rank:2 * rank + 2])
-    checkpoint = Path(out_dir) / checkpoint_name("checkpoint.pt", ep)
+    checkpoint = Path(out_dir) / checkpoint_name("checkpoint.pt", rank, world)
     assert not _all_ranks_have(checkpoint, ep)
     if rank == 0:
         checkpoint.write_bytes(b"")

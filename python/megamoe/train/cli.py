@@ -7,6 +7,7 @@ from pathlib import Path
 from collections.abc import Sequence
 
 from .config import ConfigError, load_config
+from .distributed import checkpoint_name
 from .loop import CHECKPOINT, METRICS, PLOT, train
 
 
@@ -40,9 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if records and _lead_rank():
         last = records[-1]
-        stem, suffix = CHECKPOINT.split(".")  # and each rank's checkpoint.rank<r>-of-<W>.pt
-        written = [path.name for path in sorted(Path(config.output.dir).iterdir())
-                   if path.name in (METRICS, PLOT) or (path.name.startswith(stem) and path.suffix == f".{suffix}")]
+        ranks = config.moe.expert_parallel
+        checkpoints = [checkpoint_name(CHECKPOINT, rank, ranks) for rank in range(ranks)]
+        written = [name for name in (METRICS, PLOT, *checkpoints) if (Path(config.output.dir) / name).exists()]
         print(f"step {last['step']}: loss {last['lm_loss']:.4f}; wrote {config.output.dir}/{{{', '.join(written)}}}")
     return 0
 

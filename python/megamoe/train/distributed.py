@@ -98,10 +98,10 @@ def start(config: Config) -> ExpertParallel | None:
     return ExpertParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
 
 
-def checkpoint_name(name: str, ep: ExpertParallel | None) -> str:
-    """The checkpoint file of this rank: `name` itself on one rank, else with the rank in it (each rank
-    saves its own experts and optimizer state)."""
-    if ep is None:
+def checkpoint_name(name: str, rank: int, world: int) -> str:
+    """The checkpoint file of `rank` of `world`: `name` itself on one rank, else with the rank in it
+    (each rank saves its own experts and optimizer state)."""
+    if world == 1:
         return name
     stem, dot, suffix = name.rpartition(".")
-    return f"{stem}.rank{ep.rank}-of-{ep.world}{dot}{suffix}"
+    return f"{stem}.rank{rank}-of-{world}{dot}{suffix}"

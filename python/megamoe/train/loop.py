@@ -33,10 +33,11 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
     (of the global batch) and the plot."""
     ep = start(config)
     check_backend_runs_on(config, resolve_device(config, ep))
-    lead = ep is None or ep.rank == 0
+    rank, ranks = (0, 1) if ep is None else (ep.rank, ep.world)
+    lead = rank == 0
     out_dir = Path(config.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = out_dir / checkpoint_name(CHECKPOINT, ep)
+    checkpoint = out_dir / checkpoint_name(CHECKPOINT, rank, ranks)
     if resume and not checkpoint.exists():
         raise ConfigError(f"nothing to resume: {checkpoint} does not exist")
     if resume is None:
@@ -55,7 +56,6 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
     records = [r for r in _read_metrics(out_dir / METRICS) if r["step"] <= trainer.step] if resume else []
     corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
     train_cfg = config.train
-    ranks = 1 if ep is None else ep.world
     tokens_per_step = ranks * train_cfg.batch_size * train_cfg.seq_len  # the global batch's
 
     with open(out_dir / METRICS if lead else os.devnull, "w") as metrics:
