@@ -23,6 +23,7 @@ B_N_BY_K, B_K_BY_N = 0, 1  # MEGAMOE_B_*: the layout of a scatter GEMM's B
 GRAD_BF16, GRAD_FP32, GRAD_FP32_ADD = 0, 1, 2  # MEGAMOE_GRAD_*: a weight gradient's output
 FP8_ALONG_ROWS, FP8_IN_BLOCKS = 0, 1  # MEGAMOE_FP8_*: the scale blocks of a transposed FP8 operand
 ROWS_POOL, ROWS_TOKENS = 0, 1  # MEGAMOE_ROWS_*: an operand given as the pool, or as token rows to gather
+SRC_BF16, SRC_E4M3 = 0, 1  # MEGAMOE_SRC_*: a transposed FP8 operand's source, bf16 or e4m3 rows with scales
 
 _LIBRARY_NAME = "libmegamoe.so"
 
@@ -91,7 +92,8 @@ DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _p
 WeightGradFp8Args = _struct("megamoe_weight_grad_fp8_args", ("a_t", _ptr), ("a_scales", _ptr), ("b_t", _ptr),
                             ("b_scales", _ptr), ("out", _ptr), ("m", _i32), ("n", _i32), ("output", _i32))
 TransposeQuantizeFp8Args = _struct("megamoe_transpose_quantize_fp8_args", ("src", _ptr), ("q_t", _ptr),
-                                   ("scales", _ptr), ("cols", _i32), ("blocks", _i32), ("src_rows", _i32))
+                                   ("scales", _ptr), ("cols", _i32), ("blocks", _i32), ("src_rows", _i32),
+                                   ("src_dtype", _i32), ("src_scales", _ptr))
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
                          ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32))
 

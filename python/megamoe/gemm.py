@@ -138,12 +138,12 @@ def recompute_z(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activatio
     return z
 
 
-def _backward_outputs(plan: RoutingPlan, z: torch.Tensor, inter: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dh epilogue's outputs in pool order: dz [rows, 2I] and hp [rows, I] bf16, dp partials
-    [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
+def _backward_outputs(plan: RoutingPlan, z: torch.Tensor, inter: int, bf16_dz: bool = True
+                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The dh epilogue's outputs in pool order: dz [rows, 2I] (None without bf16_dz) and hp [rows, I]
+    bf16, dp partials [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
     rows = plan.pool_rows
-    return (z.new_empty(rows, 2 * inter), z.new_empty(rows, inter),
+    return (z.new_empty(rows, 2 * inter) if bf16_dz else None, z.new_empty(rows, inter),
             torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device))
 
 
@@ -164,24 +164,25 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
 
 
 def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torch.Tensor, w2t_scales: torch.Tensor,
-                       z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu"
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(dz, (dz_q, dz_scales), hp, dp partials): gated_backward with dh in block FP8, dy_pool [rows, H]
+                       z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
+                       bf16_dz: bool = False
+                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """((dz_q, dz_scales), hp, dp partials, dz): gated_backward with dh in block FP8, dy_pool [rows, H]
     e4m3 with dy_scales [H / 128, rows], w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales
-    [E_local, I / 128, H / 128]; dz also in e4m3 for dx, dz_q [rows, 2I] with dz_scales [2I / 128, rows]
-    (the bytes fp8.quantize_rows makes of dz)."""
+    [E_local, I / 128, H / 128]; dz in e4m3, dz_q [rows, 2I] with dz_scales [2I / 128, rows] (the bytes
+    fp8.quantize_rows makes of the bf16 dz), and with bf16_dz the bf16 dz itself (else None)."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
-    dz, hp, dp_partial = _backward_outputs(plan, z, inter)
-    dz_q = torch.empty(dz.shape, dtype=torch.float8_e4m3fn, device=dz.device)
-    dz_scales = torch.empty(2 * inter // 128, dz.shape[0], dtype=torch.float32, device=dz.device)
+    dz, hp, dp_partial = _backward_outputs(plan, z, inter, bf16_dz)
+    dz_q = torch.empty(plan.pool_rows, 2 * inter, dtype=torch.float8_e4m3fn, device=z.device)
+    dz_scales = torch.empty(2 * inter // 128, plan.pool_rows, dtype=torch.float32, device=z.device)
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
-                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), dz.data_ptr(),
-                                        hp.data_ptr(), dp_partial.data_ptr(), dz_q.data_ptr(), dz_scales.data_ptr(),
-                                        inter, hidden, act)
+                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
+                                        0 if dz is None else dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(),
+                                        dz_q.data_ptr(), dz_scales.data_ptr(), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
-    return dz, (dz_q, dz_scales), hp, dp_partial
+    return (dz_q, dz_scales), hp, dp_partial, dz
 
 
 def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -207,30 +208,35 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
                  _native.stream(a.device))
 
 
-def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool,
-                       tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's pool of src, [rows, C] bf16 -> (e4m3 [C, rows], scales) transposed and quantised along
-    the rows (the weight gradients' K), over the plan's live blocks: one scale per column and 128 rows,
+def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, tokens: bool = False,
+                       src_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's pool of src, [rows, C] -> (e4m3 [C, rows], scales) transposed and quantised along the
+    rows (the weight gradients' K), over the plan's live blocks: one scale per column and 128 rows,
     scales [rows / 128, C]; with in_blocks one per 128 x 128 block, scales [C / 128, rows / 128]. src is
-    the pool, or with tokens the token rows [T, C] the dispatch would make it of (not made here)."""
+    the pool, or with tokens the token rows [T, C] the dispatch would make it of (not made here); bf16,
+    or e4m3 with src_scales [C / 128, src rows] (fp8.quantize_rows' layout), dequantised to bf16 first
+    (fp8.dequantize_rows in bf16)."""
     rows, cols = plan.pool_rows, src.shape[1]
     q_t = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=src.device)
     shape = (cols // 128, rows // 128) if in_blocks else (rows // 128, cols)
     scales = torch.empty(shape, dtype=torch.float32, device=src.device)
     args = _native.TransposeQuantizeFp8Args(src.data_ptr(), q_t.data_ptr(), scales.data_ptr(), cols,
                                             _native.FP8_IN_BLOCKS if in_blocks else _native.FP8_ALONG_ROWS,
-                                            _native.ROWS_TOKENS if tokens else _native.ROWS_POOL)
+                                            _native.ROWS_TOKENS if tokens else _native.ROWS_POOL,
+                                            _native.SRC_BF16 if src_scales is None else _native.SRC_E4M3,
+                                            0 if src_scales is None else src_scales.data_ptr())
     _native.call("megamoe_transpose_quantize_fp8", "FP8 transpose", plan.native(), args, _native.stream(src.device))
     return q_t, scales
 
 
 def weight_grad_fp8(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor, a_tokens: bool = False,
-                    b_tokens: bool = False) -> None:
+                    b_tokens: bool = False, a_row_scales: torch.Tensor | None = None) -> None:
     """weight_grad in block FP8: a [rows, M] in 1 x 128 blocks along the rows (one scale per column
     and 128 rows: dy, dz), b [rows, N] in 128 x 128 blocks (p·h, x), each transposed for the K-major
     FP8 tensor cores (transpose_quantize; a_tokens / b_tokens: the operand is token rows, gathered by
-    the plan); fp32 sums of each 128-deep k-block's products."""
-    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, tokens=a_tokens)
+    the plan; a_row_scales: a is e4m3 rows with these scales, dz as dh made it for dx); fp32 sums of
+    each 128-deep k-block's products."""
+    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, tokens=a_tokens, src_scales=a_row_scales)
     b_t, b_scales = transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _native.call("megamoe_grouped_weight_grad_fp8", "FP8 weight gradient", plan.native(),

@@ -84,7 +84,7 @@ TEST(QuantizeValidation, TransposedRejectBadArguments) {
   const char* nulls = "src, q_t, scales and the plan's num_blocks must be non-null";
   expect_rejections<Args>(
       megamoe_transpose_quantize_fp8, unread_plan(),
-      Args{check_buf, check_buf, fp, 256, MEGAMOE_FP8_ALONG_ROWS, MEGAMOE_ROWS_TOKENS},
+      Args{check_buf, check_buf, fp, 256, MEGAMOE_FP8_ALONG_ROWS, MEGAMOE_ROWS_TOKENS, MEGAMOE_SRC_E4M3, fp},
       {
           {[](auto&, auto& a) { a.src = nullptr; }, nulls},
           {[](auto&, auto& a) { a.scales = nullptr; }, nulls},
@@ -96,5 +96,7 @@ TEST(QuantizeValidation, TransposedRejectBadArguments) {
            "cols must be a positive multiple of 128 (block-FP8 scale blocks), got 200"},
           {[](auto&, auto& a) { a.blocks = 2; },
            "blocks must be MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS, got 2"},
+          {[](auto&, auto& a) { a.src_dtype = 2; }, "src_dtype must be MEGAMOE_SRC_BF16 or MEGAMOE_SRC_E4M3, got 2"},
+          {[](auto&, auto& a) { a.src_scales = nullptr; }, "an e4m3 src needs its src_scales"},
       });
 }

@@ -105,12 +105,19 @@ def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
     w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
     w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
     z = (torch.randn(plan.num_routes, 2 * inter, device="cuda") * 3).bfloat16()  # compact, as GEMM1 keeps it
-    dz, (dz_q, dz_scales), _, _ = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan)
+    (dz_q, dz_scales), _, _, dz = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan,
+                                                     bf16_dz=True)
     q, scales = fp8.quantize_rows(dz)
     live = int(plan.num_blocks) * 128
     assert torch.equal(dz_q[:live].view(torch.uint8), q[:live].view(torch.uint8))
     assert torch.equal(dz_scales[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
     assert dz_scales[:, int(plan.route_to_slot[3, 0])].isnan().any()
+    # Without the bf16 dz (what the layer runs): the same e4m3 bytes.
+    (alone_q, alone_scales), _, _, none = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool,
+                                                             plan)
+    assert none is None
+    assert torch.equal(alone_q[:live].view(torch.uint8), dz_q[:live].view(torch.uint8))
+    assert torch.equal(alone_scales[:, :live].view(torch.int32), dz_scales[:, :live].view(torch.int32))
 
 
 @requires_cuda
@@ -168,6 +175,28 @@ def test_the_transposed_quantisation_gathers_token_rows_as_the_dispatch_does(in_
     assert torch.equal(got[0][:, :live].view(torch.uint8), want[0][:, :live].view(torch.uint8))
     live_scales = (slice(None), slice(0, live // 128)) if in_blocks else (slice(0, live // 128),)
     assert torch.equal(got[1][live_scales], want[1][live_scales])
+
+
+@requires_cuda
+@pytest.mark.parametrize("in_blocks", [False, True])
+@pytest.mark.parametrize("tokens", [False, True])
+def test_the_transposed_quantisation_of_e4m3_rows_dequantises_them_first(in_blocks, tokens):
+    """From e4m3 rows with their 1 x 128 scales (dz as dh quantised it for dx): the bytes it makes of
+    those rows dequantised to bf16; a NaN block stays non-finite."""
+    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(7))
+    ids[3, 1] = -1
+    plan = build_routing(ids.cuda(), 8)
+    source_rows = 700 if tokens else plan.slot_to_route.numel()
+    rows = (torch.randn(source_rows, 256, device="cuda") * 5).bfloat16()
+    rows[5, 130] = float("nan")
+    q, q_scales = fp8.quantize_rows(rows)
+    got = transpose_quantize(q, plan, in_blocks, tokens=tokens, src_scales=q_scales)
+    want = transpose_quantize(fp8.dequantize_rows(q, q_scales, torch.bfloat16), plan, in_blocks, tokens=tokens)
+    live = int(plan.num_blocks) * 128
+    assert torch.equal(got[0][:, :live].view(torch.uint8), want[0][:, :live].view(torch.uint8))
+    live_scales = (slice(None), slice(0, live // 128)) if in_blocks else (slice(0, live // 128),)
+    assert torch.equal(got[1][live_scales].view(torch.int32), want[1][live_scales].view(torch.int32))
+    assert got[1][live_scales].isnan().any()  # row 5 (pool row, or token 5's routes) holds the NaN
 
 
 @requires_cuda

@@ -96,7 +96,7 @@ def _defines() -> dict[str, int]:
 
 @pytest.mark.parametrize("name", ["BLOCK_M", "MAX_PEERS", "IPC_HANDLE_BYTES", "B_N_BY_K", "B_K_BY_N", "GRAD_BF16",
                                   "GRAD_FP32", "GRAD_FP32_ADD", "FP8_ALONG_ROWS", "FP8_IN_BLOCKS",
-                                  "ROWS_POOL", "ROWS_TOKENS"])
+                                  "ROWS_POOL", "ROWS_TOKENS", "SRC_BF16", "SRC_E4M3"])
 def test_constants_match_the_header(name):
     assert getattr(_native, name) == _defines()[name]
 

@@ -266,20 +266,26 @@ int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* str
 // MEGAMOE_FP8_IN_BLOCKS one per 128 x 128 block, scales [cols / 128, max_blocks]. src is that pool
 // (src_rows = MEGAMOE_ROWS_POOL) or token rows [T, cols] (MEGAMOE_ROWS_TOKENS): the pool the plan's
 // dispatch makes of them (pool row r = token slot_to_route[r] / K, zeros for padding rows), read
-// without being made. Only the plan's live blocks (*num_blocks) are read and written. cols a
-// multiple of 128; src and q_t 16-byte aligned.
+// without being made. src_dtype = MEGAMOE_SRC_E4M3: src holds e4m3 rows with src_scales
+// [cols / 128, src's rows] (megamoe_quantize_rows_fp8's layout), each value dequantised to bf16 as
+// megamoe_dequantize_rows_fp8 does before it is quantised again. Only the plan's live blocks
+// (*num_blocks) are read and written. cols a multiple of 128; src and q_t 16-byte aligned.
 #define MEGAMOE_FP8_ALONG_ROWS 0
 #define MEGAMOE_FP8_IN_BLOCKS 1
 #define MEGAMOE_ROWS_POOL 0
 #define MEGAMOE_ROWS_TOKENS 1
+#define MEGAMOE_SRC_BF16 0
+#define MEGAMOE_SRC_E4M3 1
 
 typedef struct {
   const void* src;
   void* q_t;
   float* scales;
   int32_t cols;
-  int32_t blocks;    // MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS
-  int32_t src_rows;  // MEGAMOE_ROWS_POOL or MEGAMOE_ROWS_TOKENS
+  int32_t blocks;             // MEGAMOE_FP8_ALONG_ROWS or MEGAMOE_FP8_IN_BLOCKS
+  int32_t src_rows;           // MEGAMOE_ROWS_POOL or MEGAMOE_ROWS_TOKENS
+  int32_t src_dtype;          // MEGAMOE_SRC_BF16 or MEGAMOE_SRC_E4M3
+  const float* src_scales;    // MEGAMOE_SRC_E4M3 only
 } megamoe_transpose_quantize_fp8_args;
 
 int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan, const megamoe_transpose_quantize_fp8_args* args,
@@ -433,9 +439,10 @@ int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
 // The same with dh in block FP8: dy_pool [max_blocks * 128, hidden] e4m3 with dy_scales
 // [hidden / 128, max_blocks * 128]; w2t [E_local, intermediate, hidden] e4m3, w2 transposed (FP8 tensor
 // cores read both operands K-major), with w2t_scales [E_local, intermediate / 128, hidden / 128]. The
-// epilogue and every other argument as in the bf16 version; besides, dz in block FP8 for dx: dz_q
+// epilogue and every other argument as in the bf16 version, but dz is in block FP8: dz_q
 // [max_blocks * 128, 2 * intermediate] e4m3 with dz_scales [2 * intermediate / 128, max_blocks * 128],
-// the bytes megamoe_quantize_rows_fp8 makes of the bf16 dz.
+// the bytes megamoe_quantize_rows_fp8 makes of the bf16 dz, which is stored as well only where dz is
+// not null (dx and the FP8 weight gradient read the e4m3 copy).
 typedef struct {
   const void* dy_pool;
   const float* dy_scales;
@@ -443,7 +450,7 @@ typedef struct {
   const float* w2t_scales;
   const void* z;  // [T * K, 2 * intermediate], compact
   const float* p_pool;
-  void* dz;
+  void* dz;  // optional
   void* hp;
   float* dp_partial;
   void* dz_q;

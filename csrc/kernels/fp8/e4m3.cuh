@@ -6,6 +6,8 @@
 // same bytes.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -55,6 +57,13 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float a, float b, float inverse) {
 // Four values as four e4m3 bytes of one word (the first in the low byte).
 __device__ __forceinline__ uint32_t to_e4m3x4(float a, float b, float c, float d, float inverse) {
   return uint32_t(to_e4m3x2(a, b, inverse)) | (uint32_t(to_e4m3x2(c, d, inverse)) << 16);
+}
+
+// Two e4m3 bytes (the first in the low byte) times their block's scale, rounded to bf16: what
+// megamoe.fp8.dequantize_rows gives in bf16 (e4m3 -> half is exact, the product is fp32's).
+__device__ __forceinline__ __nv_bfloat162 dequantize_e4m3x2(uint16_t pair, float scale) {
+  const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3)));
+  return __floats2bfloat162_rn(f.x * scale, f.y * scale);
 }
 
 }  // namespace megamoe::fp8

@@ -97,10 +97,7 @@ dequantize_rows(const uint32_t* __restrict__ q, const float* __restrict__ scales
     const int64_t i = w * 32 + lane;
     const float scale = scales[int64_t(w % blocks) * rows + w / blocks];
     const uint32_t packed = q[i];
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(packed & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(packed >> 16), __NV_E4M3);
-    const float2 l = __half22float2(__half2(lo)), h = __half22float2(__half2(hi));
-    a[i] = {__floats2bfloat162_rn(l.x * scale, l.y * scale), __floats2bfloat162_rn(h.x * scale, h.y * scale)};
+    a[i] = {fp8::dequantize_e4m3x2(uint16_t(packed), scale), fp8::dequantize_e4m3x2(uint16_t(packed >> 16), scale)};
   }
 }
 

@@ -1,13 +1,15 @@
 // The block-FP8 weight gradients' operands (grouped_weight_grad.cu): a pool [rows, cols] bf16 (dy,
-// p·h, dz or x in pool order) transposed and quantised along its rows, the weight gradient's K, with
+// p·h or x in pool order) transposed and quantised along its rows, the weight gradient's K, with
 // the rounding of e4m3.cuh; or, from token rows [T, cols], the pool the plan's dispatch would make of
-// them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it:
+// them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it. The source
+// may itself be e4m3 rows with 1 x 128 scales (dz as dh's epilogue quantised it for dx): each value
+// is dequantised to bf16 (e4m3.cuh) as it is staged, so one pass reads half the bytes of a bf16 copy.
 //   MEGAMOE_FP8_ALONG_ROWS: one scale per column and 128 rows (1 x 128 blocks along the tokens),
 //                           scales [rows / 128, cols]
 //   MEGAMOE_FP8_IN_BLOCKS:  one scale per 128 x 128 block, scales [cols / 128, rows / 128]
 // One CTA per 128 x 128 tile of the live pool blocks, in three steps through one shared buffer:
 //   1. stage: the tile's rows, each 16-byte chunk loaded once (all of a thread's loads in flight
-//      together), into rows 65 words apart;
+//      together), into rows 65 words apart as bf16 pairs;
 //   2. quantise: thread t holds column pair t % 64 over rows [32 (t / 64), +32) in registers; the 4
 //      threads of a column meet in shared memory for its amax (the whole CTA for the tile's);
 //   3. write: the e4m3 tile, transposed, goes back into the buffer as 128 columns of 128 bytes (a
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/status.h"
 #include "kernels/fp8/e4m3.cuh"
@@ -29,21 +32,25 @@ namespace {
 
 constexpr int kTile = 128;
 constexpr int kThreads = 256;
-constexpr int kChunksPerRow = kTile * 2 / 16;                        // 16-byte chunks of a staged bf16 row
-constexpr int kStagedChunks = kTile * kChunksPerRow / kThreads;       // a thread's chunks: 8
 constexpr int kRowWords = kTile / 2 + 1;                              // a staged row: 64 words and one of padding
 constexpr int kQuarters = kThreads / (kTile / 2);                     // threads per column pair: 4
 constexpr int kQuarterRows = kTile / kQuarters;                       // rows per thread: 32
 constexpr int kOutChunks = kTile * kTile / 16 / kThreads;              // a thread's 16-byte output chunks: 4
 static_assert(kTile * kRowWords * 4 >= kTile * kTile, "the e4m3 tile fits where the bf16 tile was staged");
 
-// slot_to_route (token rows) or null (a pool). Three CTAs per SM: their staged loads keep about 96 KB
-// in flight, and the register budget (85) holds a thread's 8 staged chunks and 32 held words.
-template <bool InBlocks>
+// slot_to_route (token rows) or null (a pool); src_scales (E4m3: [cols / 128, scale_rows], one per
+// source row and 128 columns). Three CTAs per SM: their staged loads keep about 96 KB (bf16) in
+// flight, and the register budget (85) holds a thread's 8 staged chunks and 32 held words.
+template <bool InBlocks, bool E4m3>
 __global__ void __launch_bounds__(kThreads, 3)
-transpose_quantize(const uint4* __restrict__ src, uint4* __restrict__ q_t, float* __restrict__ scales,
-                   const int32_t* __restrict__ num_blocks, const int32_t* __restrict__ slot_to_route, int32_t top_k,
-                   int64_t rows, int32_t cols) {
+transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_scales, uint4* __restrict__ q_t,
+                   float* __restrict__ scales, const int32_t* __restrict__ num_blocks,
+                   const int32_t* __restrict__ slot_to_route, int32_t top_k, int64_t rows, int64_t scale_rows,
+                   int32_t cols) {
+  constexpr int kValuesPerChunk = E4m3 ? 16 : 8;                         // values of a 16-byte source chunk
+  constexpr int kChunksPerRow = kTile / kValuesPerChunk;                 // of a source row's 128 values
+  constexpr int kStagedChunks = kTile * kChunksPerRow / kThreads;        // a thread's chunks: 4 or 8
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   const int block_row = int(blockIdx.x);  // 128-row block of the pool
   if (block_row >= *num_blocks) return;   // past the live blocks: nothing reads those rows
   const int col_tile = int(blockIdx.y);
@@ -52,31 +59,43 @@ transpose_quantize(const uint4* __restrict__ src, uint4* __restrict__ q_t, float
   __shared__ float amax_part[kQuarters][kTile];
   __shared__ int nan_part[kQuarters][kTile];
 
-  // 1. Stage. Thread t loads chunk t % 16 of rows t / 16 + 16 i: first every source row, then every
-  // chunk, so the loads of each kind are in flight together.
+  // 1. Stage. Thread t loads chunk t % kChunksPerRow of rows t / kChunksPerRow + kRowsPerPass i:
+  // first every source row, then every chunk, so the loads of each kind are in flight together.
   const int64_t row0 = int64_t(block_row) * kTile;
   const int chunk = int(threadIdx.x) % kChunksPerRow;
   int64_t src_row[kStagedChunks];
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
-    src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * (kThreads / kChunksPerRow);
+    src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
     if (slot_to_route != nullptr) {
       const int32_t route = slot_to_route[src_row[i]];
       src_row[i] = route < 0 ? -1 : route / top_k;
     }
   }
   uint4 staged[kStagedChunks];
+  float row_scale[kStagedChunks];
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
-    staged[i] = src_row[i] < 0 ? make_uint4(0, 0, 0, 0) : src[(src_row[i] * cols + col0) / 8 + chunk];
+    const bool real = src_row[i] >= 0;
+    staged[i] = real ? src[(src_row[i] * cols + col0) / kValuesPerChunk + chunk] : make_uint4(0, 0, 0, 0);
+    if constexpr (E4m3) row_scale[i] = real ? src_scales[int64_t(col_tile) * scale_rows + src_row[i]] : 0.f;
   }
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
-    uint32_t* dst = tile + (int(threadIdx.x) / kChunksPerRow + i * (kThreads / kChunksPerRow)) * kRowWords + chunk * 4;
-    dst[0] = staged[i].x;
-    dst[1] = staged[i].y;
-    dst[2] = staged[i].z;
-    dst[3] = staged[i].w;
+    const int row = int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
+    uint32_t* dst = tile + row * kRowWords + chunk * (kValuesPerChunk / 2);
+    const uint32_t words[4] = {staged[i].x, staged[i].y, staged[i].z, staged[i].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (E4m3) {  // 4 e4m3 values per word, 2 bf16 per staged word
+        const __nv_bfloat162 lo = fp8::dequantize_e4m3x2(uint16_t(words[w]), row_scale[i]);
+        const __nv_bfloat162 hi = fp8::dequantize_e4m3x2(uint16_t(words[w] >> 16), row_scale[i]);
+        dst[2 * w] = *reinterpret_cast<const uint32_t*>(&lo);
+        dst[2 * w + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+      } else {
+        dst[w] = words[w];
+      }
+    }
   }
   __syncthreads();
 
@@ -171,6 +190,12 @@ extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
     return invalid_argument(fn + "src, q_t, scales and the plan's num_blocks must be non-null");
   }
   if (!aligned16(a.src) || !aligned16(a.q_t)) return invalid_argument(fn + "src and q_t must be 16-byte aligned");
+  if (a.src_dtype != MEGAMOE_SRC_BF16 && a.src_dtype != MEGAMOE_SRC_E4M3) {
+    return invalid_argument(fn + "src_dtype must be MEGAMOE_SRC_BF16 or MEGAMOE_SRC_E4M3, got " +
+                            std::to_string(a.src_dtype));
+  }
+  const bool e4m3 = a.src_dtype == MEGAMOE_SRC_E4M3;
+  if (e4m3 && a.src_scales == nullptr) return invalid_argument(fn + "an e4m3 src needs its src_scales");
   if (a.cols <= 0 || a.cols % kTile != 0) {
     return invalid_argument(fn + "cols must be a positive multiple of 128 (block-FP8 scale blocks), got " +
                             std::to_string(a.cols));
@@ -195,12 +220,20 @@ extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
   auto* q_t = static_cast<uint4*>(a.q_t);
   const int32_t* slot_to_route = tokens ? plan->slot_to_route : nullptr;
   const int32_t top_k = plan->shape.top_k;
-  if (a.blocks == MEGAMOE_FP8_IN_BLOCKS) {
-    transpose_quantize<true><<<grid, kThreads, 0, s>>>(src, q_t, a.scales, plan->num_blocks, slot_to_route, top_k,
-                                                       rows, a.cols);
+  const int64_t scale_rows = tokens ? int64_t(plan->shape.num_tokens) : rows;
+  const auto run = [&](auto in_blocks, auto e4m3_src) {
+    transpose_quantize<decltype(in_blocks)::value, decltype(e4m3_src)::value><<<grid, kThreads, 0, s>>>(
+        src, a.src_scales, q_t, a.scales, plan->num_blocks, slot_to_route, top_k, rows, scale_rows, a.cols);
+  };
+  const bool in_blocks = a.blocks == MEGAMOE_FP8_IN_BLOCKS;
+  if (in_blocks && e4m3) {
+    run(std::true_type{}, std::true_type{});
+  } else if (in_blocks) {
+    run(std::true_type{}, std::false_type{});
+  } else if (e4m3) {
+    run(std::false_type{}, std::true_type{});
   } else {
-    transpose_quantize<false><<<grid, kThreads, 0, s>>>(src, q_t, a.scales, plan->num_blocks, slot_to_route, top_k,
-                                                        rows, a.cols);
+    run(std::false_type{}, std::false_type{});
   }
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;

@@ -21,10 +21,10 @@
 // dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
 // deterministic, and the same sums in the same order for either BLOCK_N.
-// Block FP8 also stores dz in e4m3 for dx, one scale per row and 128 columns (quantize_block.cuh):
-// each row's amax is kept while the chunks are computed; after each odd chunk, the block of it and
-// the chunk before is read back from their stages once the first one's bf16 stores have left, so
-// no pass of its own reads dz again.
+// Block FP8 stores dz in e4m3 for dx and the weight gradient, one scale per row and 128 columns
+// (quantize_block.cuh): each row's amax is kept while the chunks are computed; after each odd chunk,
+// the block of it and the chunk before is read back from their stages once the first one's stores
+// have left, so no pass of its own reads dz again. Its bf16 dz is stored only when asked for.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,6 +41,7 @@ namespace megamoe::grouped_gemm {
 // The kernel parameter, the same for either tile width and activation.
 struct GatedBackwardParams {
   CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 64 x 64 boxes
+  bool store_dz;      // false in block FP8 without a bf16 dz
   CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
   CUtensorMap z;      // [T·K, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   CompactRows z_rows;  // where a pool block's rows are in z
@@ -72,7 +73,7 @@ struct GatedBackwardEpilogue {
   struct Arguments {
     const void* z;           // [T·K, 2I] bf16: the forward's gate | up, compact
     const float* p;          // [pool rows]
-    void* dz;                // [pool rows, 2I] bf16
+    void* dz;                // [pool rows, 2I] bf16 (block FP8: optional)
     void* hp;                // [pool rows, I] bf16
     float* dp_partial;       // [pool rows, MEGAMOE_DP_PARTIAL_COLS(I)]
     void* dz_q;              // block FP8: [pool rows, 2I] e4m3
@@ -80,16 +81,22 @@ struct GatedBackwardEpilogue {
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
-    MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.dz, "dz"}, {args.hp, "hp"},
-                                                 {args.dp_partial, "dp_partial"}}));
+    MEGAMOE_RETURN_IF_ERROR(
+        check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.hp, "hp"}, {args.dp_partial, "dp_partial"}}));
     if constexpr (kQuantizeDz) {
       MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz_q, "dz_q"}, {args.dz_scales, "dz_scales"}}));
+      if (args.dz != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
     }
     return CompactRows::check(p.fn, *p.plan);
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     const uint64_t i = uint64_t(p.n);
-    MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
+    params->store_dz = args.dz != nullptr;
+    if (params->store_dz) {
+      MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
+    }
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
     const uint64_t z_rows = CompactRows::rows(*p.plan);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, z_rows, i, kBlockM, p.fn, "z"));
@@ -114,7 +121,7 @@ struct GatedBackwardEpilogue {
   }
 
   __device__ static void prefetch(const Params& p) {
-    cute::prefetch_tma_descriptor(&p.dz);
+    if (p.store_dz) cute::prefetch_tma_descriptor(&p.dz);
     cute::prefetch_tma_descriptor(&p.hp);
     cute::prefetch_tma_descriptor(&p.z);
     if constexpr (kQuantizeDz) cute::prefetch_tma_descriptor(&p.dz_q);
@@ -220,8 +227,10 @@ struct GatedBackwardEpilogue {
       warpgroup_sync(warpgroup);
       const int col = t.n_tile * BlockN + c * kEpiCols;
       if (leader) {
-        InHalf{0}.store(&p.dz, g_dg, col, row0);
-        InHalf{1}.store(&p.dz, u_du, col, row0);
+        if (!kQuantizeDz || p.store_dz) {
+          InHalf{0}.store(&p.dz, g_dg, col, row0);
+          InHalf{1}.store(&p.dz, u_du, col, row0);
+        }
         cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk, col, row0);
         cute::tma_store_arrive();  // one bulk group per chunk
       }
