@@ -11,6 +11,7 @@ import dataclasses
 import weakref
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -153,13 +154,19 @@ def _place(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
 
-def _owner(w: torch.Tensor, place: tuple) -> torch.Tensor:
-    """The tensor w's cache entry is kept under: w, or the cached weight that w (at `place`) is an alias
-    of."""
-    if w in _CACHE:
-        return w
+def _owner_entry(w: torch.Tensor, place: tuple) -> tuple[torch.Tensor, tuple | None]:
+    """(the tensor w's cache entry is kept under, that entry or None): w itself, else the cached weight
+    that w (at `place`) is an alias of, else w without an entry. One dictionary lookup when w is cached."""
+    entry = _CACHE.get(w)
+    if entry is not None:
+        return w, entry
     owner = _OWNERS.get(place)
-    return owner if owner is not None and _place(owner) == place else w
+    if owner is not None and _place(owner) == place:
+        return owner, _CACHE.get(owner)
+    return w, None
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # fake only as functorch wrappers; fake tensors are subclasses
 
 
 def _cacheable(w: torch.Tensor) -> bool:
@@ -167,10 +174,12 @@ def _cacheable(w: torch.Tensor) -> bool:
     as it is then, and a cached copy the graph read could be freed by the next optimizer step), for fake
     / meta tensors (no storage, no real version) and for inference tensors (no version counter): those
     are quantised on every call."""
-    if torch.compiler.is_compiling() or w.device.type == "meta" or w.is_inference():
+    if torch.compiler.is_compiling() or w.is_meta or w.is_inference():
         return False
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
+    if type(w) in _PLAIN_TYPES and not is_functorch_wrapped_tensor(w):
+        return True
     from torch._subclasses.fake_tensor import is_fake
     return not is_fake(w)
 
@@ -183,8 +192,8 @@ def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
         with torch.no_grad():
             return QuantizedWeight(*quantize_blocks(w.detach()))
     place = _place(w)
-    owner, key = _owner(w, place), (w._version, *place)  # the key: the version and where w lies
-    entry = _CACHE.get(owner)
+    owner, entry = _owner_entry(w, place)
+    key = (w._version, *place)  # the version and where w lies
     if entry is not None and entry[0] == key:
         return entry[1]
     _CACHE.pop(owner, None)  # the stale copy goes before the new one is made: never both at once
