@@ -229,14 +229,14 @@ def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, to
     return q_t, scales
 
 
-def weight_grad_fp8(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor, a_tokens: bool = False,
-                    b_tokens: bool = False, a_row_scales: torch.Tensor | None = None) -> None:
+def weight_grad_fp8(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor, b_tokens: bool = False,
+                    a_row_scales: torch.Tensor | None = None) -> None:
     """weight_grad in block FP8: a [rows, M] in 1 x 128 blocks along the rows (one scale per column
     and 128 rows: dy, dz), b [rows, N] in 128 x 128 blocks (p·h, x), each transposed for the K-major
-    FP8 tensor cores (transpose_quantize; a_tokens / b_tokens: the operand is token rows, gathered by
-    the plan; a_row_scales: a is e4m3 rows with these scales, dz as dh made it for dx); fp32 sums of
+    FP8 tensor cores (transpose_quantize; b_tokens: b is token rows, gathered by the plan;
+    a_row_scales: a is e4m3 rows with these scales, dy and dz as dh and dx read them); fp32 sums of
     each 128-deep k-block's products."""
-    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, tokens=a_tokens, src_scales=a_row_scales)
+    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, src_scales=a_row_scales)
     b_t, b_scales = transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _native.call("megamoe_grouped_weight_grad_fp8", "FP8 weight gradient", plan.native(),

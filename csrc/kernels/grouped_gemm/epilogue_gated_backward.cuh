@@ -83,11 +83,9 @@ struct GatedBackwardEpilogue {
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     MEGAMOE_RETURN_IF_ERROR(
         check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.hp, "hp"}, {args.dp_partial, "dp_partial"}}));
+    if (!kQuantizeDz || args.dz != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
     if constexpr (kQuantizeDz) {
       MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz_q, "dz_q"}, {args.dz_scales, "dz_scales"}}));
-      if (args.dz != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
-    } else {
-      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
     }
     return CompactRows::check(p.fn, *p.plan);
   }
