@@ -8,6 +8,7 @@ writes its outputs, none accumulates in this benchmark), adds what that launch c
 layer. The repeat finds its inputs partly in L2, so a memory-bound launch is underestimated a little.
 
     python scripts/experiments/marginal_cost.py --preset qwen3-30b-a3b --precision fp8 bf16 --out DIR
+    (--backend fused-recompute-gather etc.: any backend of megamoe.bench built on the library)
 
 Prints, per precision, the calls of one fwd+bwd iteration in order, then for each: the median time
 with it doubled, the difference to the interleaved baselines, clock and power; writes
@@ -55,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-30b-a3b", choices=list(PRESETS))
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--backend", default="fused", choices=backends.BACKENDS)
     parser.add_argument("--precision", nargs="+", default=["fp8", "bf16"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
@@ -73,7 +75,7 @@ def main() -> None:
     log = open(args.out / "marginal_cost.jsonl", "a")
 
     for precision in args.precision:
-        fn = backends.build("fused", shape, precision, device.device)
+        fn = backends.build(args.backend, shape, precision, device.device)
         run = runner.step(fn, "fwdbwd", sets, dy)
 
         def reset():
@@ -86,7 +88,8 @@ def main() -> None:
             run(i)
         torch.cuda.synchronize()
         order = list(calls.sequence)
-        print(f"{args.preset} T={args.tokens} {precision} fwd+bwd: {len(order)} library calls", flush=True)
+        print(f"{args.preset} T={args.tokens} {args.backend} {precision} fwd+bwd: {len(order)} library calls",
+              flush=True)
 
         def timed(doubled):
             calls.doubled = doubled
@@ -108,7 +111,8 @@ def main() -> None:
                   f"{statistics.mean(b.sm_clock_mhz or 0 for b in bases):.0f} MHz", flush=True)
             for step in order:
                 m = results[step][-1]
-                line = {"preset": args.preset, "tokens": args.tokens, "precision": precision, "round": r,
+                line = {"preset": args.preset, "tokens": args.tokens, "backend": args.backend,
+                        "precision": precision, "round": r,
                         "call": step[0], "ordinal": step[1], "ms": round(m.median_ms, 4),
                         "base_ms": round(base_ms, 4), "delta_us": round((m.median_ms - base_ms) * 1e3, 1),
                         "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w}
