@@ -372,16 +372,14 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
         in_place = torch.arange(x_pool.shape[0], dtype=torch.int32, device=x_pool.device)  # row s goes to row s
         grouped_gemm_scatter(dz, w13, plan, in_place, dx_pool, b_is_k_by_n=True)
+        weight_grad(dz, x_bf16, plan, dw13)
+        weight_grad(dy_pool, hp, plan, dw2)
     else:
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
         (dz_q, dz_scales), hp, dp_partial, _ = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan,
                                                                   activation)
         w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
         grouped_gemm_fp8(dz_q, dz_scales, w13t, w13t_scales, plan, out=dx_pool)
-    if dy_fp8 is None:
-        weight_grad(dz, x_bf16, plan, dw13)
-        weight_grad(dy_pool, hp, plan, dw2)
-    else:
         weight_grad_fp8(dz_q, x_bf16, plan, dw13, a_row_scales=dz_scales)
         weight_grad_fp8(dy_fp8[0], hp, plan, dw2, a_row_scales=dy_fp8[1])
     return reduce_dp(dp_partial, plan)

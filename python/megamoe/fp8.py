@@ -11,11 +11,11 @@ import dataclasses
 import weakref
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native
+from .validation import is_plain_tensor
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -166,9 +166,6 @@ def _owner_entry(w: torch.Tensor, place: tuple) -> tuple[torch.Tensor, tuple | N
     return w, None
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # fake only as functorch wrappers; fake tensors are subclasses
-
-
 def _cacheable(w: torch.Tensor) -> bool:
     """False under torch.compile, while a CUDA graph is being captured (a replay must quantise the weight
     as it is then, and a cached copy the graph read could be freed by the next optimizer step), for fake
@@ -178,7 +175,7 @@ def _cacheable(w: torch.Tensor) -> bool:
         return False
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    if type(w) in _PLAIN_TYPES and not is_functorch_wrapped_tensor(w):
+    if is_plain_tensor(w):  # fake tensors are subclasses or functorch wrappers: no need to ask
         return True
     from torch._subclasses.fake_tensor import is_fake
     return not is_fake(w)

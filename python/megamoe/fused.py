@@ -41,7 +41,6 @@ wide, so the backward's peak (dW13, with dz and the other gradients live) holds 
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import fp8
@@ -50,7 +49,7 @@ from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
                    grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
-from .validation import IdRangeCheck, check_fused_precision, main_grad_of
+from .validation import IdRangeCheck, check_fused_precision, is_plain_tensor, main_grad_of
 
 
 def _plan(topk_ids: torch.Tensor, num_local: int, plan_buffer: torch.Tensor | None = None) -> RoutingPlan:
@@ -326,8 +325,7 @@ def _runs_eagerly(*tensors: torch.Tensor) -> bool:
     """Whether the eager path may run: not while torch.compile traces, nor for tensor subclasses
     (fake or meta tensors, functorch's wrappers) or under a dispatch mode, which all need the op."""
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped_tensor(t)
-                    for t in tensors))
+            and all(is_plain_tensor(t) for t in tensors))
 
 
 def fused_moe_autograd(x, topk_ids, topk_weights, w13, w2, recompute: bool | str, activation: str = "swiglu",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .activation import check_activation
 
@@ -19,6 +20,12 @@ BACKENDS = ("fused", "grouped", "naive")
 # in the backward), True only the inputs (x gathered again and z recomputed).
 RECOMPUTE_MODES = (False, "gather", True)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    """t is a torch.Tensor or Parameter itself, with real storage behind it: not a subclass (fake or
+    meta tensors under a tracer) nor one of functorch's wrappers."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped_tensor(t)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,57 +72,60 @@ def main() -> None:
     calls = DoublingCalls()
     _native.call = calls
     args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / "marginal_cost.jsonl", "a")
+    try:
+        with open(args.out / "marginal_cost.jsonl", "a") as log:
+            for precision in args.precision:
+                measure_precision(args, precision, shape, sets, dy, calls, device, budget, log)
+                torch.cuda.empty_cache()
+    finally:
+        _native.call = calls.original
 
-    for precision in args.precision:
-        fn = backends.build(args.backend, shape, precision, device.device)
-        run = runner.step(fn, "fwdbwd", sets, dy)
 
-        def reset():
-            calls.reset()
-            for s in sets:
-                s.clear_grads()
+def measure_precision(args, precision, shape, sets, dy, calls, device, budget, log) -> None:
+    """The rounds of one precision: each call of an iteration doubled in turn, baselines between."""
+    fn = backends.build(args.backend, shape, precision, device.device)
+    run = runner.step(fn, "fwdbwd", sets, dy)
 
-        for i in range(2):  # the first call also fills the weight caches (FP8), which later calls find
-            reset()
-            run(i)
-        torch.cuda.synchronize()
-        order = list(calls.sequence)
-        print(f"{args.preset} T={args.tokens} {args.backend} {precision} fwd+bwd: {len(order)} library calls",
-              flush=True)
+    def reset():
+        calls.reset()
+        for s in sets:
+            s.clear_grads()
 
-        def timed(doubled):
-            calls.doubled = doubled
-            m = measure(run, reset, device, budget)
+    for i in range(2):  # the first call also fills the weight caches (FP8), which later calls find
+        reset()
+        run(i)
+    torch.cuda.synchronize()
+    order = list(calls.sequence)
+    print(f"{args.preset} T={args.tokens} {args.backend} {precision} fwd+bwd: {len(order)} library calls",
+          flush=True)
+
+    def timed(doubled):
+        calls.doubled = doubled
+        try:
+            return measure(run, reset, device, budget)
+        finally:
             calls.doubled = None
-            return m
 
-        results = collections.defaultdict(list)
-        for r in range(args.rounds):
-            bases = [timed(None)]
-            for step in order:
-                results[step].append(timed(step))
-                if order.index(step) % 6 == 5:
-                    bases.append(timed(None))
-            bases.append(timed(None))
-            base_ms = statistics.mean(b.median_ms for b in bases)
-            print(f"round {r}: baseline {base_ms:.3f} ms ({', '.join(f'{b.median_ms:.3f}' for b in bases)}), "
-                  f"{statistics.mean(b.power_w or 0 for b in bases):.0f} W, "
-                  f"{statistics.mean(b.sm_clock_mhz or 0 for b in bases):.0f} MHz", flush=True)
-            for step in order:
-                m = results[step][-1]
-                line = {"preset": args.preset, "tokens": args.tokens, "backend": args.backend,
-                        "precision": precision, "round": r,
-                        "call": step[0], "ordinal": step[1], "ms": round(m.median_ms, 4),
-                        "base_ms": round(base_ms, 4), "delta_us": round((m.median_ms - base_ms) * 1e3, 1),
-                        "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w}
-                log.write(json.dumps(line) + "\n")
-                print(f"  {step[0]:48} #{step[1]}  {m.median_ms:.3f} ms  {line['delta_us']:+7.1f} µs  "
-                      f"{m.power_w or 0:.0f} W  {m.sm_clock_mhz or 0:.0f} MHz", flush=True)
+    for r in range(args.rounds):
+        bases, doubled = [timed(None)], []
+        for i, step in enumerate(order):
+            doubled.append(timed(step))
+            if i % 6 == 5:
+                bases.append(timed(None))
+        bases.append(timed(None))
+        base_ms = statistics.mean(b.median_ms for b in bases)
+        print(f"round {r}: baseline {base_ms:.3f} ms ({', '.join(f'{b.median_ms:.3f}' for b in bases)}), "
+              f"{statistics.mean(b.power_w or 0 for b in bases):.0f} W, "
+              f"{statistics.mean(b.sm_clock_mhz or 0 for b in bases):.0f} MHz", flush=True)
+        for (name, ordinal), m in zip(order, doubled):
+            delta_us = round((m.median_ms - base_ms) * 1e3, 1)
+            log.write(json.dumps({"preset": args.preset, "tokens": args.tokens, "backend": args.backend,
+                                  "precision": precision, "round": r, "call": name, "ordinal": ordinal,
+                                  "ms": round(m.median_ms, 4), "base_ms": round(base_ms, 4), "delta_us": delta_us,
+                                  "sm_mhz": m.sm_clock_mhz, "power_w": m.power_w}) + "\n")
+            print(f"  {name:48} #{ordinal}  {m.median_ms:.3f} ms  {delta_us:+7.1f} µs  "
+                  f"{m.power_w or 0:.0f} W  {m.sm_clock_mhz or 0:.0f} MHz", flush=True)
         log.flush()
-        torch.cuda.empty_cache()
-    _native.call = calls.original
-
 
 if __name__ == "__main__":
     main()

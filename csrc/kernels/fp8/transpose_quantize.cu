@@ -1,5 +1,5 @@
-// The block-FP8 weight gradients' operands (grouped_weight_grad.cu): a pool [rows, cols] bf16 (dy,
-// p·h or x in pool order) transposed and quantised along its rows, the weight gradient's K, with
+// The block-FP8 weight gradients' operands (grouped_weight_grad.cu): a pool [rows, cols] bf16 (p·h
+// in pool order) transposed and quantised along its rows, the weight gradient's K, with
 // the rounding of e4m3.cuh; or, from token rows [T, cols], the pool the plan's dispatch would make of
 // them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it. The source
 // may itself be e4m3 rows with 1 x 128 scales (dy as dispatched for dh, dz as dh's epilogue quantised
