@@ -3,7 +3,7 @@
 // a NaN, so the block stays non-finite), q = value · (1 / scale) rounded to e4m3, nearest even,
 // saturating: one division per block, and a product per value that megamoe.fp8's torch ops compute
 // the same way. Shared by the quantisation kernels and the epilogues that quantise, so all give the
-// same bytes.
+// same bytes. Every amax is taken with max_nan, so it is NaN exactly when its block holds a NaN.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,37 +16,35 @@ namespace megamoe::fp8 {
 
 constexpr float kE4m3Max = 448.0f;
 
-__device__ __forceinline__ float block_scale(float amax, bool nan) {
-  return nan ? __int_as_float(0x7fffffff) : (amax > 0.f ? amax / kE4m3Max : 1.f);
+// max(a, b), NaN when either is (PTX max.NaN): one instruction per value of an amax.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
+
+// amax / 448, 1 for an amax of 0, NaN for a NaN one. Branch-free: a branch around the division puts
+// its out-of-line slow path where it spills the callers' registers.
+__device__ __forceinline__ float block_scale(float amax) { return amax / kE4m3Max + float(amax == 0.f); }
 
 __device__ __forceinline__ float inverse(float scale) { return 1.f / scale; }
 
-// The scale of one block held by a whole CTA of Threads threads (1-D), each passing the amax and NaN
-// flag of its part: reduced within each warp, then across the warps through shared memory. Every
-// thread of the CTA calls it (it holds a barrier) and gets the scale; once per CTA, as its scratch is
-// not guarded against a second call.
+// The scale of one block held by a whole CTA of Threads threads (1-D), each passing the amax of its
+// part: reduced within each warp, then across the warps through shared memory. Every thread of the
+// CTA calls it (it holds a barrier) and gets the scale; once per CTA, as its scratch is not guarded
+// against a second call.
 template <int Threads>
-__device__ __forceinline__ float cta_block_scale(float amax, bool nan) {
+__device__ __forceinline__ float cta_block_scale(float amax) {
   static_assert(Threads % 32 == 0, "whole warps");
   __shared__ float warp_amax[Threads / 32];
-  __shared__ bool warp_nan[Threads / 32];
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  nan = __any_sync(0xffffffffu, nan);
-  if (threadIdx.x % 32 == 0) {
-    warp_amax[threadIdx.x / 32] = amax;
-    warp_nan[threadIdx.x / 32] = nan;
-  }
+  for (int offset = 16; offset > 0; offset /= 2) amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = 0.f;
-  nan = false;
 #pragma unroll
-  for (int w = 0; w < Threads / 32; ++w) {
-    amax = fmaxf(amax, warp_amax[w]);
-    nan |= warp_nan[w];
-  }
-  return block_scale(amax, nan);
+  for (int w = 0; w < Threads / 32; ++w) amax = max_nan(amax, warp_amax[w]);
+  return block_scale(amax);
 }
 
 // Two values as two e4m3 bytes (the first in the low byte), given their block's inverse(scale).

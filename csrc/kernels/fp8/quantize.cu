@@ -59,7 +59,6 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
   const int64_t col_vec = (block % blocks_k) * (kBlock / 8) + threadIdx.x % 16;
   float x[kBlock / kRowsPerPass][8];
   float amax = 0.f;
-  bool nan = false;
 #pragma unroll
   for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
     const uint4 v = b[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec];
@@ -69,11 +68,10 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
       const float2 f = __bfloat1622float2(pairs[j]);
       x[i][2 * j] = f.x;
       x[i][2 * j + 1] = f.y;
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      nan |= f.x != f.x || f.y != f.y;
+      amax = fp8::max_nan(amax, fp8::max_nan(fabsf(f.x), fabsf(f.y)));
     }
   }
-  const float scale = fp8::cta_block_scale<kBlockThreads>(amax, nan);
+  const float scale = fp8::cta_block_scale<kBlockThreads>(amax);
   const float inverse = fp8::inverse(scale);
   if (threadIdx.x == 0) scales[block] = scale;
 #pragma unroll

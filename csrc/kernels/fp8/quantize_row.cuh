@@ -1,7 +1,7 @@
 // One warp quantises a bf16 row to block FP8 (1 x 128 blocks), shared by the row quantisation and
 // the FP8 dispatch. A pass covers kRowChunksPerLane x 32 of the row's 16-byte chunks: lane l holds
 // chunk pass + 32 i + l, which lies in the pass's block 2 i + l / 16, and the 16 lanes of a block
-// share its amax by shuffles and whether it holds a NaN by a ballot (rounding: e4m3.cuh). A pass's
+// share its amax by shuffles (rounding: e4m3.cuh). A pass's
 // loads are all issued before its first shuffle, so a lane keeps that many loads in flight.
 #pragma once
 
@@ -24,7 +24,6 @@ struct RowPass {
 // shuffles.
 __device__ __forceinline__ RowPass quantize_row_pass(const Bf16x8* __restrict__ row, int vecs_per_row, int pass) {
   const int lane = threadIdx.x % 32;
-  const unsigned group = lane < 16 ? 0x0000ffffu : 0xffff0000u;  // the 16 lanes of this lane's block
   Bf16x8 v[kRowChunksPerLane];
 #pragma unroll
   for (int i = 0; i < kRowChunksPerLane; ++i) {
@@ -37,18 +36,16 @@ __device__ __forceinline__ RowPass quantize_row_pass(const Bf16x8* __restrict__ 
     if (pass + 32 * i >= vecs_per_row) break;  // the same for every lane
     float f[kBf16PerVec];
     float amax = 0.f;
-    bool nan = false;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 pair = __bfloat1622float2(v[i].pairs[j]);
       f[2 * j] = pair.x;
       f[2 * j + 1] = pair.y;
-      amax = fmaxf(amax, fmaxf(fabsf(pair.x), fabsf(pair.y)));
-      nan |= pair.x != pair.x || pair.y != pair.y;
+      amax = max_nan(amax, max_nan(fabsf(pair.x), fabsf(pair.y)));
     }
 #pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
-    out.scale[i] = block_scale(amax, (__ballot_sync(~0u, nan) & group) != 0);
+    for (int offset = 8; offset > 0; offset /= 2) amax = max_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+    out.scale[i] = block_scale(amax);
     const float inv = inverse(out.scale[i]);
     out.q[i] = make_uint2(to_e4m3x4(f[0], f[1], f[2], f[3], inv), to_e4m3x4(f[4], f[5], f[6], f[7], inv));
   }

@@ -58,7 +58,6 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
   const int col0 = col_tile * kTile;
   __shared__ __align__(16) uint32_t tile[kTile * kRowWords];
   __shared__ float amax_part[kQuarters][kTile];
-  __shared__ int nan_part[kQuarters][kTile];
 
   // 1. Stage. Thread t loads chunk t % kChunksPerRow of rows t / kChunksPerRow + kRowsPerPass i:
   // first every source row, then every chunk, so the loads of each kind are in flight together.
@@ -105,36 +104,26 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
   const int quarter = int(threadIdx.x) / (kTile / 2);
   uint32_t held[kQuarterRows];
   float amax[2] = {0.f, 0.f};
-  bool nan[2] = {false, false};
 #pragma unroll
   for (int i = 0; i < kQuarterRows; ++i) {
     held[i] = tile[(quarter * kQuarterRows + i) * kRowWords + pair];
     const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&held[i]));
-    amax[0] = fmaxf(amax[0], fabsf(f.x));
-    amax[1] = fmaxf(amax[1], fabsf(f.y));
-    nan[0] |= f.x != f.x;
-    nan[1] |= f.y != f.y;
+    amax[0] = fp8::max_nan(amax[0], fabsf(f.x));
+    amax[1] = fp8::max_nan(amax[1], fabsf(f.y));
   }
   float scale[2];
   if constexpr (InBlocks) {  // the tile's amax
-    scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fmaxf(amax[0], amax[1]), nan[0] || nan[1]);
+    scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fp8::max_nan(amax[0], amax[1]));
   } else {  // each column's amax over the 4 quarters of its rows
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      amax_part[quarter][2 * pair + c] = amax[c];
-      nan_part[quarter][2 * pair + c] = nan[c];
-    }
+    for (int c = 0; c < 2; ++c) amax_part[quarter][2 * pair + c] = amax[c];
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       float column_amax = 0.f;
-      bool column_nan = false;
 #pragma unroll
-      for (int q = 0; q < kQuarters; ++q) {
-        column_amax = fmaxf(column_amax, amax_part[q][2 * pair + c]);
-        column_nan |= nan_part[q][2 * pair + c] != 0;
-      }
-      scale[c] = fp8::block_scale(column_amax, column_nan);
+      for (int q = 0; q < kQuarters; ++q) column_amax = fp8::max_nan(column_amax, amax_part[q][2 * pair + c]);
+      scale[c] = fp8::block_scale(column_amax);
     }
   }
   // Every thread has read its rows from the staged tile (both branches hold a barrier): the e4m3 tile replaces

@@ -3,8 +3,8 @@
 // block of GEMM2's A), stored by TMA; z (KeepZ) as in the bf16 epilogue.
 //
 // A row's 128 h values lie with the 4 lanes of one quad, 32 each (epilogue.cuh's fragment layout):
-// their amax comes from two shuffles, and whether one is NaN from a ballot; scale and q as every FP8
-// quantiser of the library computes them (kernels/fp8/e4m3.cuh). The warpgroup's 64 x 128 e4m3 tile
+// their amax (NaN if one of them is) comes from two shuffles (quantize_block.cuh: RowAmax); scale
+// and q as every FP8 quantiser of the library computes them (kernels/fp8/e4m3.cuh). The warpgroup's 64 x 128 e4m3 tile
 // is one 8 KB chunk buffer in the 128-byte swizzle of its TMA box (byte column c of row r at
 // r * 128 + ((c / 16) ^ (r % 8)) * 16 + c % 16); each warp writes and stores its own 16 rows. Lane
 // l % 4 == 0 writes its two rows' scales to h_scales [I / 128, pool rows].
@@ -13,6 +13,7 @@
 #include "kernels/fp8/e4m3.cuh"
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
+#include "kernels/grouped_gemm/quantize_block.cuh"
 
 namespace megamoe::grouped_gemm {
 
@@ -61,21 +62,13 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     Tile::store_z(acc, p.z, smem, warpgroup, row0, t.n_tile, rows);
     float h[kHalf];
     Tile::activate(acc, h);
-    float amax[2] = {0.f, 0.f};  // per row half
-    bool nan[2] = {false, false};
+    RowAmax amax;
 #pragma unroll
-    for (int x = 0; x < kHalf; ++x) {
-      amax[(x / 2) % 2] = fmaxf(amax[(x / 2) % 2], fabsf(h[x]));
-      nan[(x / 2) % 2] |= h[x] != h[x];
-    }
-    const unsigned quad = 0xfu << (threadIdx.x % 32 & ~3u);  // the row's 4 lanes
+    for (int x = 0; x < kHalf; ++x) amax.add((x / 2) % 2, h[x]);
     Pending pending;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
-      amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 2));
-      const bool quad_nan = (__ballot_sync(0xffffffffu, nan[half]) & quad) != 0;
-      const float scale = fp8::block_scale(amax[half], quad_nan);
+      const float scale = fp8::block_scale(amax.of_row(half));
       const float inverse = fp8::inverse(scale);
 #pragma unroll
       for (int j = 0; j < kHalf / 4; j += 2)

@@ -17,13 +17,14 @@
 
 namespace megamoe::grouped_gemm {
 
-// The thread's share of a block row's amax (over its values, fp32, NaNs left out) and whether one is NaN.
+// The thread's share of a block row's amax over its values (fp32; NaN once one of them is).
 struct RowAmax {
   float amax[2] = {0.f, 0.f};  // per row half (fragment rows r and r + 8)
-  bool nan[2] = {false, false};
-  __device__ void add(int half, float v) {
-    amax[half] = fmaxf(amax[half], fabsf(v));
-    nan[half] |= v != v;
+  __device__ void add(int half, float v) { amax[half] = fp8::max_nan(amax[half], fabsf(v)); }
+  // The amax of the thread's fragment row `half` over the 4 lanes of its quad, which hold the row.
+  __device__ float of_row(int half) const {
+    const float pair = fp8::max_nan(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
+    return fp8::max_nan(pair, __shfl_xor_sync(0xffffffffu, pair, 2));
   }
 };
 
@@ -31,14 +32,11 @@ struct RowAmax {
 // row's quad gets them.
 __device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* second, uint8_t* out, RowAmax part) {
   constexpr int kPairs = kEpiCols / 16;
-  const unsigned quad = 0xfu << (threadIdx.x % 32 & ~3u);
   float scale[2], inverse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float amax = fmaxf(part.amax[h], __shfl_xor_sync(0xffffffffu, part.amax[h], 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = __bfloat162float(__float2bfloat16_rn(amax));  // the amax of the staged bf16 values
-    scale[h] = fp8::block_scale(amax, (__ballot_sync(0xffffffffu, part.nan[h]) & quad) != 0);
+    const float amax = __bfloat162float(__float2bfloat16_rn(part.of_row(h)));  // the amax of the staged bf16 values
+    scale[h] = fp8::block_scale(amax);
     inverse[h] = fp8::inverse(scale[h]);
   }
   // The first chunk's values, all read before any of its rows is written.
