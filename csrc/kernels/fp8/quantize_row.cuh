@@ -1,8 +1,8 @@
 // One warp quantises a bf16 row to block FP8 (1 x 128 blocks), shared by the row quantisation and
 // the FP8 dispatch. A pass covers kRowChunksPerLane x 32 of the row's 16-byte chunks: lane l holds
 // chunk pass + 32 i + l, which lies in the pass's block 2 i + l / 16, and the 16 lanes of a block
-// share its amax by shuffles (rounding: e4m3.cuh). A pass's
-// loads are all issued before its first shuffle, so a lane keeps that many loads in flight.
+// share its amax by shuffles (rounding: e4m3.cuh). A pass's loads are all issued before its first
+// shuffle, so a lane keeps that many loads in flight.
 #pragma once
 
 #include <cstdint>

@@ -4,10 +4,10 @@
 //
 // A row's 128 h values lie with the 4 lanes of one quad, 32 each (epilogue.cuh's fragment layout):
 // their amax (NaN if one of them is) comes from two shuffles (quantize_block.cuh: RowAmax); scale
-// and q as every FP8 quantiser of the library computes them (kernels/fp8/e4m3.cuh). The warpgroup's 64 x 128 e4m3 tile
-// is one 8 KB chunk buffer in the 128-byte swizzle of its TMA box (byte column c of row r at
-// r * 128 + ((c / 16) ^ (r % 8)) * 16 + c % 16); each warp writes and stores its own 16 rows. Lane
-// l % 4 == 0 writes its two rows' scales to h_scales [I / 128, pool rows].
+// and q as every FP8 quantiser of the library computes them (kernels/fp8/e4m3.cuh). The warpgroup's
+// 64 x 128 e4m3 tile is one 8 KB chunk buffer in the 128-byte swizzle of its TMA box (byte column c
+// of row r at r * 128 + ((c / 16) ^ (r % 8)) * 16 + c % 16); each warp writes and stores its own 16
+// rows. Lane l % 4 == 0 writes its two rows' scales to h_scales [I / 128, pool rows].
 #pragma once
 
 #include "kernels/fp8/e4m3.cuh"
