@@ -127,5 +127,6 @@ def measure_precision(args, precision, shape, sets, dy, calls, device, budget, l
                   f"{m.power_w or 0:.0f} W  {m.sm_clock_mhz or 0:.0f} MHz", flush=True)
         log.flush()
 
+
 if __name__ == "__main__":
     main()
