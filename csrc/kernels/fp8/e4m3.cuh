@@ -23,6 +23,16 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// max_nan of v over each group of Lanes adjacent lanes (Lanes a power of two up to 32, groups
+// aligned to Lanes): every lane gets its group's. Every lane of the warp calls it.
+template <int Lanes>
+__device__ __forceinline__ float lanes_max_nan(float v) {
+  static_assert(Lanes >= 1 && Lanes <= 32 && (Lanes & (Lanes - 1)) == 0, "a power of two up to a warp");
+#pragma unroll
+  for (int offset = Lanes / 2; offset > 0; offset /= 2) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
 // amax / 448, 1 for an amax of 0, NaN for a NaN one. Branch-free: a branch around the division puts
 // its out-of-line slow path where it spills the callers' registers.
 __device__ __forceinline__ float block_scale(float amax) { return amax / kE4m3Max + float(amax == 0.f); }
@@ -37,8 +47,7 @@ template <int Threads>
 __device__ __forceinline__ float cta_block_scale(float amax) {
   static_assert(Threads % 32 == 0, "whole warps");
   __shared__ float warp_amax[Threads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  amax = lanes_max_nan<32>(amax);
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = 0.f;

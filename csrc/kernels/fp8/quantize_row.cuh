@@ -43,9 +43,7 @@ __device__ __forceinline__ RowPass quantize_row_pass(const Bf16x8* __restrict__ 
       f[2 * j + 1] = pair.y;
       amax = max_nan(amax, max_nan(fabsf(pair.x), fabsf(pair.y)));
     }
-#pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) amax = max_nan(amax, __shfl_xor_sync(~0u, amax, offset));
-    out.scale[i] = block_scale(amax);
+    out.scale[i] = block_scale(lanes_max_nan<16>(amax));
     const float inv = inverse(out.scale[i]);
     out.q[i] = make_uint2(to_e4m3x4(f[0], f[1], f[2], f[3], inv), to_e4m3x4(f[4], f[5], f[6], f[7], inv));
   }

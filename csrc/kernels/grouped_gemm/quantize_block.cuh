@@ -22,10 +22,7 @@ struct RowAmax {
   float amax[2] = {0.f, 0.f};  // per row half (fragment rows r and r + 8)
   __device__ void add(int half, float v) { amax[half] = fp8::max_nan(amax[half], fabsf(v)); }
   // The amax of the thread's fragment row `half` over the 4 lanes of its quad, which hold the row.
-  __device__ float of_row(int half) const {
-    const float pair = fp8::max_nan(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
-    return fp8::max_nan(pair, __shfl_xor_sync(0xffffffffu, pair, 2));
-  }
+  __device__ float of_row(int half) const { return fp8::lanes_max_nan<4>(amax[half]); }
 };
 
 // Returns the scales of the thread's two fragment rows (row half 0, row half 8); every lane of a
