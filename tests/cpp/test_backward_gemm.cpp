@@ -33,6 +33,7 @@ std::vector<FusedCase> scatter_mn_cases() {
       {"many_tiles", 10000, 4, 8, 0, 8, 256, 128, 33},
       {"qwen3_30b_dx", 500, 8, 16, 4, 8, 2048, 1536, 34},  // n = H = 2048, k = 2I = 1536
       {"partial_n200_k400", 300, 2, 4, 0, 4, 200, 400, 35},    // n = H, k = 2I not multiples of the tile
+      {"small_pool", 300, 2, 16, 0, 16, 256, 256, 36},  // half-padding blocks skip their second half
   };
 }
 
@@ -83,6 +84,7 @@ std::vector<FusedCase> swiglu_backward_cases() {  // n = intermediate, k = hidde
       // I and H not multiples of the tile: z's halves and dz stop at I, dp's last partial is short.
       {"partial_i200_h136", 300, 2, 4, 0, 4, 200, 136, 45},
       {"partial_i328_h392", 300, 3, 8, 2, 4, 328, 392, 46},
+      {"small_pool", 300, 2, 16, 0, 16, 256, 256, 47},  // half-padding blocks skip their second half
   };
 }
 

@@ -64,6 +64,8 @@ std::vector<GemmCase> cases() {
       {"qwen3_30b_gemm1", 1000, 3, 8, 1536, 2048, 7},  // target-like: N=1536, K=2048
       // N and K not multiples of the tile: the last n-tile and k-block reach past them.
       {"partial_n200_k136", 300, 2, 4, 200, 136, 8},
+      // At most 128 routes per expert: the blocks whose rows 64..127 are all padding skip them.
+      {"small_pool", 300, 2, 16, 256, 256, 9},
   };
 }
 
@@ -369,6 +371,7 @@ std::vector<FusedCase> swiglu_cases() {
       // I and H not multiples of the tile: the last tile's gate box reaches into the up rows.
       {"partial_i200_h136", 300, 2, 4, 0, 4, 200, 136, 15},
       {"partial_i328_h392", 300, 3, 8, 2, 4, 328, 392, 16},
+      {"small_pool", 300, 2, 16, 0, 16, 256, 256, 17},  // half-padding blocks skip their second half
   };
 }
 
@@ -379,6 +382,7 @@ std::vector<FusedCase> scatter_cases() {
       {"many_tiles", 10000, 4, 8, 0, 8, 256, 128, 23},
       {"qwen3_30b", 500, 8, 16, 4, 8, 2048, 768, 24},  // H = 2048, I = 768
       {"partial_n200_k136", 300, 2, 4, 0, 4, 200, 136, 25},  // N and K not multiples of the tile
+      {"small_pool", 300, 2, 16, 0, 16, 256, 256, 26},  // half-padding blocks skip their second half
   };
 }
 
