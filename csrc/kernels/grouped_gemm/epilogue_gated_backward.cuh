@@ -23,8 +23,9 @@
 // deterministic, and the same sums in the same order for either BLOCK_N.
 // Block FP8 stores dz in e4m3 for dx and the weight gradient, one scale per row and 128 columns
 // (quantize_block.cuh): each row's amax is kept while the chunks are computed; after each odd chunk,
-// the block of it and the chunk before is read back from their stages once the first one's stores
-// have left, so no pass of its own reads dz again. Its bf16 dz is stored only when asked for.
+// the block of it and the chunk before is read back from their stages (each warp its own rows, so
+// only a bf16 dz store has to leave the first stage before), so no pass of its own reads dz again.
+// Its bf16 dz is stored only when asked for.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -112,6 +113,8 @@ struct GatedBackwardEpilogue {
 
   struct Rows {
     float p[2];  // the topk weights of the thread's two fragment rows
+    // All ones for a row with p != 0, zero for a dead one (a padding row or a zero weight).
+    __device__ uint32_t live(int half) const { return p[half] != 0.f ? ~0u : 0u; }
   };
 
   __device__ static int fragment_row(int warpgroup) {  // pool row offset of the thread's row half 0
@@ -204,18 +207,18 @@ struct GatedBackwardEpilogue {
             const float hv = act.value * ui;
             dp[h] = fmaf(hv, dh, dp[h]);
             const float dhw = pw * dh;
-            const bool live = pw != 0.f;
-            out_dg[i] = live ? Act::chain(dhw * ui, act) : 0.f;
-            out_du[i] = live ? dhw * act.value : 0.f;
-            out_hp[i] = live ? pw * hv : 0.f;
-            if constexpr (kQuantizeDz) {
+            out_dg[i] = Act::chain(dhw * ui, act);
+            out_du[i] = dhw * act.value;
+            out_hp[i] = pw * hv;
+            if constexpr (kQuantizeDz) {  // a dead row's amax is dropped in store_dz_fp8
               dg_amax.add(h, out_dg[i]);
               du_amax.add(h, out_du[i]);
             }
           }
-          dg[q] = pack_bf16x2(out_dg[0], out_dg[1]);
-          du[q] = pack_bf16x2(out_du[0], out_du[1]);
-          hp[q] = pack_bf16x2(out_hp[0], out_hp[1]);
+          const uint32_t keep = rows.live(h);  // a dead row's values are zeroed as packed pairs
+          dg[q] = pack_bf16x2(out_dg[0], out_dg[1]) & keep;
+          du[q] = pack_bf16x2(out_du[0], out_du[1]) & keep;
+          hp[q] = pack_bf16x2(out_hp[0], out_hp[1]) & keep;
         }
         stage_packed_pair(dg, g_dg, pair);  // the same addresses this warp just read: no other warp's rows
         stage_packed_pair(du, u_du, pair);
@@ -235,7 +238,8 @@ struct GatedBackwardEpilogue {
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
       if constexpr (kQuantizeDz) {
         if (c % 2 == 1) {
-          store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols, dg_amax, du_amax);
+          store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols, live_amax(dg_amax, rows),
+                       live_amax(du_amax, rows));
           dg_amax = du_amax = RowAmax{};
         }
       }
@@ -248,14 +252,24 @@ struct GatedBackwardEpilogue {
     }
   }
 
+  // The amax of a dead row's zeros: 0, whatever the values computed for it before they were dropped.
+  __device__ static RowAmax live_amax(RowAmax part, const Rows& rows) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) part.amax[h] = rows.p[h] != 0.f ? part.amax[h] : 0.f;
+    return part;
+  }
+
   // Block FP8: dg and du of the 128 columns from col0 (chunk stages first and second) in e4m3, in
-  // the first stage (its bf16 stores have left it: the wait), stored with their row scales.
+  // the first stage, stored with their row scales. Each warp reads and writes its own 16 rows: only
+  // the first chunk's bf16 dz stores, if any, have to have left that stage.
   template <class Smem>
   __device__ static void store_dz_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
                                       const PoolTile& t, int col0, RowAmax dg_amax, RowAmax du_amax) {
     const bool leader = threadIdx.x % 128 == 0;
-    if (leader) cute::tma_store_wait<1>();  // the first chunk's stores are done (the second's may not be)
-    warpgroup_sync(warpgroup);
+    if (p.store_dz) {  // the first chunk's bf16 dz stores are done (the second's may not be)
+      if (leader) cute::tma_store_wait<1>();
+      warpgroup_sync(warpgroup);
+    }
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;
     uint8_t* g_q = smem.a(first) + rows_offset;
     uint8_t* u_q = smem.b(first) + rows_offset;
