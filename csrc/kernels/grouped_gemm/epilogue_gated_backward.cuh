@@ -113,8 +113,8 @@ struct GatedBackwardEpilogue {
 
   struct Rows {
     float p[2];  // the topk weights of the thread's two fragment rows
-    // All ones for a row with p != 0, zero for a dead one (a padding row or a zero weight).
-    __device__ uint32_t live(int half) const { return p[half] != 0.f ? ~0u : 0u; }
+    // A dead row (a padding row or a zero weight) gets zeros for dz and hp, whatever was computed.
+    __device__ bool live(int half) const { return p[half] != 0.f; }
   };
 
   __device__ static int fragment_row(int warpgroup) {  // pool row offset of the thread's row half 0
@@ -215,7 +215,7 @@ struct GatedBackwardEpilogue {
               du_amax.add(h, out_du[i]);
             }
           }
-          const uint32_t keep = rows.live(h);  // a dead row's values are zeroed as packed pairs
+          const uint32_t keep = rows.live(h) ? ~0u : 0u;  // a dead row's values are zeroed as packed pairs
           dg[q] = pack_bf16x2(out_dg[0], out_dg[1]) & keep;
           du[q] = pack_bf16x2(out_du[0], out_du[1]) & keep;
           hp[q] = pack_bf16x2(out_hp[0], out_hp[1]) & keep;
@@ -255,7 +255,7 @@ struct GatedBackwardEpilogue {
   // The amax of a dead row's zeros: 0, whatever the values computed for it before they were dropped.
   __device__ static RowAmax live_amax(RowAmax part, const Rows& rows) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) part.amax[h] = rows.p[h] != 0.f ? part.amax[h] : 0.f;
+    for (int h = 0; h < 2; ++h) part.amax[h] = rows.live(h) ? part.amax[h] : 0.f;
     return part;
   }
 
