@@ -23,6 +23,20 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// Two running amaxes at once, over bf16 pairs: each half of the result is max(|acc|, |v|) of that
+// half, NaN when either is (PTX max.NaN.xorsign.abs: one instruction per two values). The halves'
+// signs are meaningless (the xor of the inputs'); abs_halves reads the magnitudes.
+__device__ __forceinline__ uint32_t abs_max_nan_bf16x2(uint32_t acc, uint32_t v) {
+  uint32_t r;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(acc), "r"(v));
+  return r;
+}
+
+// |low| and |high| half of a bf16 pair, in fp32.
+__device__ __forceinline__ float2 abs_halves(uint32_t pair) {
+  return make_float2(fabsf(__uint_as_float(pair << 16)), fabsf(__uint_as_float(pair & 0xffff0000u)));
+}
+
 // max_nan of v over each group of Lanes adjacent lanes (Lanes a power of two up to 32, groups
 // aligned to Lanes): every lane gets its group's. Every lane of the warp calls it.
 template <int Lanes>

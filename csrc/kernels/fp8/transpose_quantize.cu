@@ -23,6 +23,8 @@
 #include <string>
 #include <type_traits>
 
+#include <cutlass/fast_math.h>
+
 #include "common/status.h"
 #include "kernels/fp8/e4m3.cuh"
 #include "megamoe/megamoe.h"
@@ -46,7 +48,8 @@ template <bool InBlocks, bool E4m3>
 __global__ void __launch_bounds__(kThreads, 3)
 transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_scales, uint4* __restrict__ q_t,
                    float* __restrict__ scales, const int32_t* __restrict__ num_blocks,
-                   const int32_t* __restrict__ slot_to_route, int32_t top_k, int64_t rows, int64_t scale_rows,
+                   const int32_t* __restrict__ slot_to_route, cutlass::FastDivmod top_k, int64_t rows,
+                   int64_t scale_rows,
                    int32_t cols) {
   constexpr int kValuesPerChunk = E4m3 ? 16 : 8;                         // values of a 16-byte source chunk
   constexpr int kChunksPerRow = kTile / kValuesPerChunk;                 // of a source row's 128 values
@@ -69,7 +72,9 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
     src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
     if (slot_to_route != nullptr) {
       const int32_t route = slot_to_route[src_row[i]];
-      src_row[i] = route < 0 ? -1 : route / top_k;
+      int token = -1, k = 0;
+      if (route >= 0) top_k(token, k, route);  // a multiply-high, not a division
+      src_row[i] = token;
     }
   }
   uint4 staged[kStagedChunks];
@@ -103,14 +108,14 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
   const int pair = int(threadIdx.x) % (kTile / 2);
   const int quarter = int(threadIdx.x) / (kTile / 2);
   uint32_t held[kQuarterRows];
-  float amax[2] = {0.f, 0.f};
+  uint32_t amax_pair = 0;  // both columns' amax, as bf16 (the max of bf16 values is one of them)
 #pragma unroll
   for (int i = 0; i < kQuarterRows; ++i) {
     held[i] = tile[(quarter * kQuarterRows + i) * kRowWords + pair];
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&held[i]));
-    amax[0] = fp8::max_nan(amax[0], fabsf(f.x));
-    amax[1] = fp8::max_nan(amax[1], fabsf(f.y));
+    amax_pair = fp8::abs_max_nan_bf16x2(amax_pair, held[i]);
   }
+  const float2 amax2 = fp8::abs_halves(amax_pair);
+  const float amax[2] = {amax2.x, amax2.y};
   float scale[2];
   if constexpr (InBlocks) {  // the tile's amax
     scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fp8::max_nan(amax[0], amax[1]));
@@ -209,7 +214,7 @@ extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
   const auto* src = static_cast<const uint4*>(a.src);
   auto* q_t = static_cast<uint4*>(a.q_t);
   const int32_t* slot_to_route = tokens ? plan->slot_to_route : nullptr;
-  const int32_t top_k = plan->shape.top_k;
+  const cutlass::FastDivmod top_k(plan->shape.top_k);
   const int64_t scale_rows = tokens ? int64_t(plan->shape.num_tokens) : rows;
   const auto run = [&](auto in_blocks, auto e4m3_src) {
     transpose_quantize<decltype(in_blocks)::value, decltype(e4m3_src)::value><<<grid, kThreads, 0, s>>>(

@@ -79,11 +79,6 @@ __device__ __forceinline__ uint8_t* swizzled_byte(uint8_t* box, int row, int col
   return box + row * kSwizzleBytes + (((col / 16) ^ (row % 8)) * 16) + col % 16;
 }
 
-// Named barrier over one math warpgroup (id 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
-  cutlass::arch::NamedBarrier::sync(128, uint32_t(1 + warpgroup));
-}
-
 // Packed bf16 pairs, 16 columns at a time: v[q] (q = 2 g + h) is the thread's pair of 8-column
 // group 2 p + g, row half h (h = 1: row + 8) of a 64 x 64 swizzled chunk, i.e. pack_bf16x2 of the
 // matching fragment entries. One stmatrix / ldmatrix .x4 moves the warp's 16 rows x 16 columns.

@@ -14,9 +14,10 @@
 // (one stage per chunk: g in its A slot, u in its B slot, both 128B-swizzled), already in flight while
 // the last k-blocks run. Each math warpgroup reads its 64 rows of a chunk 16 columns at a time with
 // ldmatrix, straight into the accumulator fragment's layout (epilogue.cuh), and writes dg and du in
-// place of g and u (and hp into a chunk buffer) with stmatrix; then three TMA stores per chunk. The
-// outputs never sit in registers as a whole chunk, which keeps the 256-wide tile within 168
-// registers. BLOCK_N is 256 when I allows it (the wide tile's main loop streams half the L2 bytes
+// place of g and u (and hp into a chunk buffer) with stmatrix; then each warp stores its own 16 rows
+// by TMA (16-row boxes), so no warp waits for another: the epilogue holds no barrier wider than a
+// warp. The outputs never sit in registers as a whole chunk, which keeps the 256-wide tile within
+// 168 registers. BLOCK_N is 256 when I allows it (the wide tile's main loop streams half the L2 bytes
 // per FLOP), 128 otherwise.
 // dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
@@ -41,12 +42,12 @@ namespace megamoe::grouped_gemm {
 
 // The kernel parameter, the same for either tile width and activation.
 struct GatedBackwardParams {
-  CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 64 x 64 boxes
+  CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 16-row x 64-column boxes
   bool store_dz;      // false in block FP8 without a bf16 dz
-  CUtensorMap hp;     // [max_blocks * 128, I], 64 x 64 boxes
+  CUtensorMap hp;     // [max_blocks * 128, I], 16-row x 64-column boxes
   CUtensorMap z;      // [T·K, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   CompactRows z_rows;  // where a pool block's rows are in z
-  CUtensorMap dz_q;   // block FP8: [max_blocks * 128, 2I] e4m3, 64 x 128-byte boxes
+  CUtensorMap dz_q;   // block FP8: [max_blocks * 128, 2I] e4m3, 16-row x 128-byte boxes
   float* dz_scales;   // block FP8: [2I / 128, max_blocks * 128]
   const float* p;     // [max_blocks * 128]
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
@@ -94,9 +95,9 @@ struct GatedBackwardEpilogue {
     const uint64_t i = uint64_t(p.n);
     params->store_dz = args.dz != nullptr;
     if (params->store_dz) {
-      MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpgroupRows, p.fn, "dz"));
+      MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpRows, p.fn, "dz"));
     }
-    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpgroupRows, p.fn, "hp"));
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpRows, p.fn, "hp"));
     const uint64_t z_rows = CompactRows::rows(*p.plan);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, z_rows, i, kBlockM, p.fn, "z"));
     params->z_rows = CompactRows::of(*p.plan);
@@ -106,7 +107,7 @@ struct GatedBackwardEpilogue {
     params->pool_rows = int(p.rows);
     if constexpr (kQuantizeDz) {
       params->dz_scales = args.dz_scales;
-      return make_fp8_tensor_map(&params->dz_q, args.dz_q, p.rows, 2 * i, kWarpgroupRows, p.fn, "dz_q");
+      return make_fp8_tensor_map(&params->dz_q, args.dz_q, p.rows, 2 * i, kWarpRows, p.fn, "dz_q");
     }
     return MEGAMOE_OK;
   }
@@ -117,9 +118,14 @@ struct GatedBackwardEpilogue {
     __device__ bool live(int half) const { return p[half] != 0.f; }
   };
 
-  __device__ static int fragment_row(int warpgroup) {  // pool row offset of the thread's row half 0
-    return warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * 16 + int(threadIdx.x % 32) / 4;
+  __device__ static int warp_row(int warpgroup) {  // tile row of the thread's warp's first row
+    return warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * kWarpRows;
   }
+  __device__ static int fragment_row(int warpgroup) {  // tile row of the thread's row half 0
+    return warp_row(warpgroup) + int(threadIdx.x % 32) / 4;
+  }
+  // Where the warp's 16 rows start in a staged box of its warpgroup's 64 rows.
+  __device__ static uint32_t warp_box_offset() { return ((threadIdx.x / 32) % 4) * kWarpRows * kSwizzleBytes; }
 
   __device__ static void prefetch(const Params& p) {
     if (p.store_dz) cute::prefetch_tma_descriptor(&p.dz);
@@ -156,20 +162,20 @@ struct GatedBackwardEpilogue {
   // Chunk c's stage is held until the TMA stores that read dg and du from it are done: released
   // at chunk c + 2 (whose hp buffer is chunk c's) or, for the last two, at the end of the tile. In
   // block FP8 an even chunk's stage also holds its block's e4m3 dz, stored after the odd chunk's
-  // bf16 stores: the next even chunk waits for every store before it releases the stage.
+  // bf16 stores: the next even chunk waits for every store before it releases the stage. Each warp
+  // stages, stores and waits for its own rows only (lane 0 issues and tracks the warp's stores),
+  // and releases a stage with one arrive of its own.
   template <class Smem, int Stages>
   __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const Smem& smem, int warpgroup,
                                const PoolTile& t, const Rows& rows, PipelineState<Stages>& state) {
-    const bool leader = threadIdx.x % 128 == 0;  // issues and tracks this warpgroup's TMA stores
-    const bool signals = threadIdx.x % 32 == 0;  // one empty-barrier arrive per warp
-    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
+    const bool leader = threadIdx.x % 32 == 0;  // issues and tracks this warp's TMA stores
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;  // the warpgroup's 64 rows
-    int stages[kChunks];
+    const int first_stage = state.stage;  // the tile's chunks come through consecutive stages
+    const auto stage_of = [&](int c) { return (first_stage + c) % Stages; };
     float dp[2] = {0.f, 0.f};
     RowAmax dg_amax, du_amax;  // block FP8: over the current 128-column block
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      stages[c] = state.stage;
       Barrier::wait(smem.full(state.stage), state.phase);
       state.advance();
       if (c >= 2) {
@@ -180,11 +186,11 @@ struct GatedBackwardEpilogue {
             cute::tma_store_wait<1>();
           }
         }
-        warpgroup_sync(warpgroup);
-        if (signals) Barrier::arrive(smem.empty(stages[c - 2]));
+        __syncwarp();
+        if (leader) Barrier::arrive(smem.empty(stage_of(c - 2)));
       }
-      uint8_t* g_dg = smem.a(stages[c]) + rows_offset;  // g in, dg out
-      uint8_t* u_du = smem.b(stages[c]) + rows_offset;  // u in, du out
+      uint8_t* g_dg = smem.a(stage_of(c)) + rows_offset;  // g in, dg out
+      uint8_t* u_du = smem.b(stage_of(c)) + rows_offset;  // u in, du out
       uint8_t* hp_chunk = smem.epi(warpgroup, c % kEpiBuffers);
 #pragma unroll
       for (int pair = 0; pair < kEpiCols / 16; ++pair) {
@@ -225,30 +231,32 @@ struct GatedBackwardEpilogue {
         stage_packed_pair(hp, hp_chunk, pair);
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
-      warpgroup_sync(warpgroup);
+      __syncwarp();
       const int col = t.n_tile * BlockN + c * kEpiCols;
-      if (leader) {
+      if (leader) {  // the warp's 16 rows
+        const int row0 = t.block * kBlockM + warp_row(warpgroup);
+        const uint32_t box = warp_box_offset();
         if (!kQuantizeDz || p.store_dz) {
-          InHalf{0}.store(&p.dz, g_dg, col, row0);
-          InHalf{1}.store(&p.dz, u_du, col, row0);
+          InHalf{0}.store(&p.dz, g_dg + box, col, row0);
+          InHalf{1}.store(&p.dz, u_du + box, col, row0);
         }
-        cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk, col, row0);
+        cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk + box, col, row0);
         cute::tma_store_arrive();  // one bulk group per chunk
       }
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
       if constexpr (kQuantizeDz) {
         if (c % 2 == 1) {
-          store_dz_fp8(p, smem, stages[c - 1], stages[c], warpgroup, t, col - kEpiCols, live_amax(dg_amax, rows),
+          store_dz_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, col - kEpiCols, live_amax(dg_amax, rows),
                        live_amax(du_amax, rows));
           dg_amax = du_amax = RowAmax{};
         }
       }
     }
     if (leader) cute::tma_store_wait<0>();
-    warpgroup_sync(warpgroup);
+    __syncwarp();
 #pragma unroll
     for (int c = kChunks - 2; c < kChunks; ++c) {
-      if (signals) Barrier::arrive(smem.empty(stages[c]));
+      if (leader) Barrier::arrive(smem.empty(stage_of(c)));
     }
   }
 
@@ -260,15 +268,15 @@ struct GatedBackwardEpilogue {
   }
 
   // Block FP8: dg and du of the 128 columns from col0 (chunk stages first and second) in e4m3, in
-  // the first stage, stored with their row scales. Each warp reads and writes its own 16 rows: only
-  // the first chunk's bf16 dz stores, if any, have to have left that stage.
+  // the first stage, stored with their row scales. Each warp reads, writes and stores its own 16
+  // rows: only its first chunk's bf16 dz stores, if any, have to have left that stage.
   template <class Smem>
   __device__ static void store_dz_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
                                       const PoolTile& t, int col0, RowAmax dg_amax, RowAmax du_amax) {
-    const bool leader = threadIdx.x % 128 == 0;
+    const bool leader = threadIdx.x % 32 == 0;
     if (p.store_dz) {  // the first chunk's bf16 dz stores are done (the second's may not be)
       if (leader) cute::tma_store_wait<1>();
-      warpgroup_sync(warpgroup);
+      __syncwarp();
     }
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;
     uint8_t* g_q = smem.a(first) + rows_offset;
@@ -276,11 +284,11 @@ struct GatedBackwardEpilogue {
     const float2 g_scales = quantize_block_e4m3(g_q, smem.a(second) + rows_offset, g_q, dg_amax);
     const float2 u_scales = quantize_block_e4m3(u_q, smem.b(second) + rows_offset, u_q, du_amax);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
-    warpgroup_sync(warpgroup);
-    const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
-    if (leader) {
-      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, g_q, col0, row0);
-      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, u_q, p.intermediate + col0, row0);
+    __syncwarp();
+    if (leader) {  // the warp's 16 rows
+      const int row0 = t.block * kBlockM + warp_row(warpgroup);
+      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, g_q + warp_box_offset(), col0, row0);
+      cute::SM90_TMA_STORE_2D::copy(&p.dz_q, u_q + warp_box_offset(), p.intermediate + col0, row0);
       cute::tma_store_arrive();
     }
     if (threadIdx.x % 4 == 0) {
