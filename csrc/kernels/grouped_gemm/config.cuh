@@ -36,6 +36,13 @@ constexpr int kEpiBuffers = 2;
 constexpr int kWarpRows = kWarpgroupRows / 4;  // rows of a warpgroup's fragment held by one warp
 constexpr int kEpiChunkBytes = kWarpgroupRows * kEpiCols * 2;  // 8 KB
 
+// Tile rows of a math thread's accumulator fragment (epilogue.cuh has the layout): the first row of
+// its warp's 16, and its row half 0 (half 1 is 8 rows below).
+__device__ __forceinline__ int warp_row(int warpgroup) {
+  return warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * kWarpRows;
+}
+__device__ __forceinline__ int fragment_row(int warpgroup) { return warp_row(warpgroup) + int(threadIdx.x % 32) / 4; }
+
 // sm_90 opt-in limit of dynamic shared memory per block (227 KB).
 constexpr int kSharedMemoryLimit = 232448;
 constexpr int kMaxStages = 8;

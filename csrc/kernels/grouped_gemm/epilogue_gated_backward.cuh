@@ -118,12 +118,6 @@ struct GatedBackwardEpilogue {
     __device__ bool live(int half) const { return p[half] != 0.f; }
   };
 
-  __device__ static int warp_row(int warpgroup) {  // tile row of the thread's warp's first row
-    return warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * kWarpRows;
-  }
-  __device__ static int fragment_row(int warpgroup) {  // tile row of the thread's row half 0
-    return warp_row(warpgroup) + int(threadIdx.x % 32) / 4;
-  }
   // Where the warp's 16 rows start in a staged box of its warpgroup's 64 rows.
   __device__ static uint32_t warp_box_offset() { return ((threadIdx.x / 32) % 4) * kWarpRows * kSwizzleBytes; }
 

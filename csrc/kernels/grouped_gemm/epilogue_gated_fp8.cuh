@@ -75,7 +75,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
         pending.q[8 * half + j / 2] = fp8::to_e4m3x4(h[4 * j + 2 * half], h[4 * j + 2 * half + 1],
                                                      h[4 * j + 4 + 2 * half], h[4 * j + 5 + 2 * half], inverse);
       if (threadIdx.x % 4 == 0) {
-        const int row = row0 + int((threadIdx.x / 32) % 4) * kWarpRows + int(threadIdx.x % 32) / 4 + 8 * half;
+        const int row = t.block * kBlockM + fragment_row(warpgroup) + 8 * half;
         p.h_scales[int64_t(t.n_tile) * p.pool_rows + row] = scale;
       }
     }

@@ -103,8 +103,7 @@ struct WeightGradEpilogue {
                                     const ExpertTile& t) {
     const int col0 = t.n_tile * BlockN + 2 * (threadIdx.x % 4);  // this thread's first column
     const bool zero = t.k_blocks == 0;
-    const int row = t.m_tile * kBlockM + warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * 16 +
-                    int(threadIdx.x % 32) / 4;  // of the expert's M; the other is row + 8
+    const int row = t.m_tile * kBlockM + fragment_row(warpgroup);  // of the expert's M; the other is row + 8
     const bool in_m[2] = {row < p.m, row + 8 < p.m};
     float* base = p.out + (int64_t(t.expert) * p.m + row) * p.ld + col0;
     // Batches of 8 column groups: the batch's 16 old values are loaded before any store, so the

@@ -24,11 +24,6 @@ __device__ __forceinline__ void issue_fp8_k_block(float (&part)[N], uint64_t des
   issue_k_block<Fp8Wgmma, kFp8BlockK / 32, Fp8Layout, Fp8Layout>(part, desc_a, desc_b, false);
 }
 
-// The first of this thread's two fragment rows (the other is row + 8; epilogue.cuh has the layout).
-__device__ __forceinline__ int fragment_row(int warpgroup) {
-  return warpgroup * kWarpgroupRows + ((threadIdx.x / 32) % 4) * kWarpRows + (threadIdx.x % 32) / 4;
-}
-
 // acc[offset + i] (=, or += with Accumulate) part[i] scaled by its row's scale (scale_lo for the
 // fragment's first row, scale_hi for row + 8).
 template <bool Accumulate, int M, int N>
