@@ -2,14 +2,18 @@
 Python side, torch's custom-op dispatch and autograd cost per layer call, on CPU tensors, no GPU. The
 weights have fp32 `main_grad` buffers, so the backward allocates no weight gradients. With --gpu, the
 real calls on the GPU, without the id check's wait (so the host runs ahead of the kernels): the host's
-time per call, launches included, on that machine.
+time per call, launches included, on that machine. With --steps (and --gpu), the id check stays, and
+the host time of each step of the layer (the routing plan, each launch's wrapper, the FP8 weight
+cache, the id check's wait) is reported as well, as the no_grad forward the benchmark times.
 
     python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--precision bf16] [--gpu]
+                                            [--steps]
 
 Prints the median over rounds of the mean time per call, forward and forward + backward.
 """
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -40,6 +44,31 @@ def stub_native_calls() -> None:
     megamoe.fp8._on_core = lambda a: a.dtype == torch.bfloat16 and a.is_contiguous()
 
 
+# What fused.py calls for each step of the layer, by the module that holds it.
+STEPS = {megamoe.fused: ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gated_gemm_fp8", "grouped_gemm_scatter",
+                         "grouped_gemm_scatter_fp8", "combine", "gated_backward", "gated_backward_fp8", "weight_grad",
+                         "weight_grad_fp8", "reduce_dp"),
+         megamoe.fp8: ("quantized_weight",), megamoe.fused.IdRangeCheck: ("raise_if_any",)}
+
+
+def time_steps() -> collections.Counter:
+    """Wraps each of STEPS so that its host time adds up in the returned counter (seconds)."""
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+    for holder, names in STEPS.items():
+        for name in names:
+            setattr(holder, name, timed(name, getattr(holder, name)))
+    return spent
+
+
 def per_call_us(fn, calls: int, rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -62,9 +91,14 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true",
                         help="the real calls on the GPU, the id check's wait left out (at most 20 calls a round, "
                              "so the launch queue never fills)")
+    parser.add_argument("--steps", action="store_true",
+                        help="with --gpu: keep the id check and report the host time of each step of a forward")
     args = parser.parse_args()
+    if args.steps and not args.gpu:
+        parser.error("--steps needs --gpu")
     if args.gpu:
-        megamoe.fused.IdRangeCheck = _NoIdCheck
+        if not args.steps:
+            megamoe.fused.IdRangeCheck = _NoIdCheck
         args.calls = min(args.calls, 20)
     else:
         stub_native_calls()
@@ -89,10 +123,31 @@ def main() -> None:
 
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
+    if args.steps:
+        report_steps(forward, args)
+        return
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
     print(f"{args.preset}, {args.tokens} tokens, {args.precision}, host time per call ({what}): "
           f"forward {per_call_us(forward, args.calls, args.rounds):.0f} µs, "
           f"forward + backward {per_call_us(forward_backward, args.calls, args.rounds):.0f} µs")
+
+
+def report_steps(forward, args: argparse.Namespace) -> None:
+    """Wall time per no_grad forward (the benchmark's fwd) with the GPU, and each step's host time."""
+    spent = time_steps()
+    calls = args.calls * args.rounds
+    with torch.no_grad():
+        per_call_us(forward, args.calls, 1)  # warm-up, wrapped
+        spent.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            forward()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / calls * 1e6
+    steps = ", ".join(f"{name} {seconds / calls * 1e6:.1f}" for name, seconds in spent.most_common())
+    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, no_grad forward: {wall:.0f} µs per call with "
+          f"the GPU; host µs per call by step: {steps} (the rest: {wall - sum(spent.values()) / calls * 1e6:.0f})")
 
 
 if __name__ == "__main__":
