@@ -133,6 +133,10 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
   if (threadIdx.x == 0) {
     blocks_before_tile = routes_before_tile = 0;
     *plan.num_invalid = total_invalid;
+    if (plan.num_invalid_host != nullptr) {
+      *plan.num_invalid_host = total_invalid;
+      __threadfence_system();  // the host reads it once an event after this kernel has completed
+    }
   }
   __syncthreads();  // also before scan_storage is used again
 

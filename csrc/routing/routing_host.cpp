@@ -88,6 +88,7 @@ extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe
   std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(&s), -1);
   *plan->num_blocks = blocks;
   *plan->num_invalid = invalid;
+  if (plan->num_invalid_host != nullptr) *plan->num_invalid_host = invalid;
 
   std::vector<int32_t> next(plan->expert_offsets, plan->expert_offsets + s.num_local_experts);
   for (int64_t r = 0; r < routes; ++r) {

@@ -48,7 +48,7 @@ RoutingShape = _struct("megamoe_routing_shape", ("num_tokens", _i64), ("top_k", 
                        ("expert_begin", _i32), ("num_local_experts", _i32))
 RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
     "expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert",
-    "num_blocks", "num_invalid", "workspace")), ("shape", RoutingShape))
+    "num_blocks", "num_invalid", "workspace")), ("shape", RoutingShape), ("num_invalid_host", _ptr))
 DispatchFp8Args = _struct("megamoe_dispatch_fp8_args", ("x", _ptr), ("pool", _ptr), ("pool_scales", _ptr),
                           ("hidden", _i32))
 DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),

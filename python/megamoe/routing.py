@@ -47,6 +47,9 @@ class RoutingPlan:
     def __init__(self, buffer: torch.Tensor, shape: _native.RoutingShape, layout: dict):
         self.buffer, self.shape, self.layout = buffer, shape, layout
         self._native_plan = None  # native()'s struct without a workspace: every kernel of a layer takes it
+        # The GPU build's copy of num_invalid in pinned host memory (an int32 the host reads without a
+        # copy once the build has run; -1 until then), or None: validation.IdRangeCheck reads it.
+        self.num_invalid_host: ctypes.c_int32 | None = None
 
     @classmethod
     def from_buffer(cls, buffer: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int,
@@ -119,6 +122,26 @@ def plan_buffer_size(num_tokens, top_k: int, num_local_experts: int):
     return sum(math.prod(shape) for shape in _field_shapes(num_tokens, top_k, num_local_experts).values())
 
 
+# Pinned host int32 slots per device, handed out in turn, one per GPU plan build (RoutingPlan.num_invalid_host):
+# a slot is read by the layer call that built the plan before it returns, so it is free again long
+# before the ring comes back to it.
+_HOST_COUNT_SLOTS = 1024
+_host_counts: dict[int, list] = {}  # device index -> [pinned int32 tensor, next slot]
+
+
+def _host_count_slot(device: torch.device) -> ctypes.c_int32:
+    """The next pinned slot of `device`'s ring, set to -1 (not written yet)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    ring = _host_counts.get(index)
+    if ring is None:
+        ring = _host_counts[index] = [torch.empty(_HOST_COUNT_SLOTS, dtype=torch.int32, pin_memory=True), 0]
+    slots, next_slot = ring
+    ring[1] = (next_slot + 1) % _HOST_COUNT_SLOTS
+    slot = ctypes.c_int32.from_address(slots.data_ptr() + 4 * next_slot)
+    slot.value = -1
+    return slot
+
+
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
     """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all)."""
@@ -135,7 +158,11 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
     if device.type == "cuda":
         workspace = torch.empty(_native.library().megamoe_routing_workspace_bytes(ctypes.byref(plan.shape)),
                                 dtype=torch.uint8, device=device)
-        _native.call("megamoe_build_routing_cuda", "build_routing", topk_ids.data_ptr(), plan.native(workspace),
+        native = plan.native(workspace)
+        if not torch.cuda.is_current_stream_capturing():  # a replayed graph would write a slot since reused
+            plan.num_invalid_host = _host_count_slot(device)
+            native.num_invalid_host = ctypes.addressof(plan.num_invalid_host)
+        _native.call("megamoe_build_routing_cuda", "build_routing", topk_ids.data_ptr(), native,
                      _native.stream(device))
     else:
         _native.call("megamoe_build_routing_host", "build_routing", topk_ids.data_ptr(), plan.native())

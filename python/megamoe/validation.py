@@ -173,10 +173,12 @@ class IdRangeCheck:
     """Ids outside [-1, E): the routing kernels count them (plan.num_invalid) and route them nowhere,
     so no kernel reads out of bounds. Made right after the routing launches, it marks where they end
     on the compute stream (an event); raise_if_any, called once all the layer's kernels are queued,
-    copies the count on a stream of its own that waits for that mark (a copy between the compute
-    stream's kernels would cost two ~5 µs switches there) and raises if it is not zero: the host waits
-    for this layer's routing, not for the whole queue ahead of it, and the caller gets the exception
-    instead of an output. The copy's host work comes after the launches, so it does not delay them.
+    waits for that mark and raises if the count is not zero: the host waits for this layer's routing,
+    not for the whole queue ahead of it, and the caller gets the exception instead of an output. The
+    build wrote the count to pinned host memory as well (plan.num_invalid_host), so reading it costs
+    no copy; where that memory was not written (-1: pinned memory the device cannot write), the count
+    is copied on a stream of its own that waits for the mark (a copy between the compute stream's
+    kernels would cost two ~5 µs switches there).
     Not while a CUDA graph is being captured, where the host may not wait: there bad ids only stay
     masked (routed nowhere), as they were before this check existed whenever the host check was
     skipped (torch.compile)."""
@@ -188,20 +190,28 @@ class IdRangeCheck:
         self.active = not torch.cuda.is_current_stream_capturing()
         if self.active:
             self.routed = torch.cuda.Event()
-            self.routed.record(torch.cuda.current_stream(plan.num_invalid.device))
+            self.routed.record(torch.cuda.current_stream(plan.buffer.device))
 
     def raise_if_any(self) -> None:
         if not self.active:
             return
-        device = self.plan.num_invalid.device
+        count = -1
+        if self.plan.num_invalid_host is not None:
+            self.routed.synchronize()
+            count = self.plan.num_invalid_host.value
+        if count < 0:
+            count = self._copied_count()
+        if count:
+            raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
+
+    def _copied_count(self) -> int:
+        device = self.plan.buffer.device
         if device not in self._copy_streams:
             self._copy_streams[device] = torch.cuda.Stream(device)
         copy_stream = self._copy_streams[device]
         copy_stream.wait_event(self.routed)
         with torch.cuda.stream(copy_stream):
-            count = int(self.plan.num_invalid.item())  # waits for this copy only
-        if count:
-            raise ValueError(id_range_message(self.num_experts, f"{count} ids outside it"))
+            return int(self.plan.num_invalid.item())  # waits for this copy only
 
 
 def main_grad_of(weight: torch.Tensor, name: str) -> torch.Tensor | None:

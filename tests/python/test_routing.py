@@ -78,6 +78,14 @@ def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
     assert bytes(device.shape) == bytes(host.shape)
 
 
+@requires_cuda
+def test_the_cuda_plan_writes_its_count_of_invalid_ids_to_host_memory_too():
+    ids = torch.tensor([[0, 9], [-3, 1], [2, -1]], dtype=torch.int32, device="cuda")
+    plan = build_routing(ids, 4)
+    torch.cuda.synchronize()
+    assert plan.num_invalid_host.value == int(plan.num_invalid) == 2
+
+
 @pytest.mark.parametrize("tokens, top_k, num_local", [(0, 1, 1), (1, 8, 128), (333, 4, 6), (16384, 8, 128)])
 def test_plan_buffer_is_the_native_capacity_and_holds_every_field(tokens, top_k, num_local):
     """build_routing sizes its one allocation with pool_capacity: it must agree with the library."""

@@ -7,6 +7,7 @@ import torch
 
 import megamoe
 from megamoe.shapes import MoEShape
+from megamoe.validation import IdRangeCheck
 
 SHAPE = MoEShape(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2)
 
@@ -132,6 +133,15 @@ def test_fused_raises_for_ids_out_of_range_counted_on_the_gpu(bad_id, compiled):
         fn(*inputs)
     inputs[IDS] = good_ids  # nothing sticks: the next call with good ids runs
     torch.testing.assert_close(fn(*inputs), megamoe.moe(*inputs, backend="grouped"), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_id_check_copies_the_count_where_host_memory_was_not_written():
+    plan = megamoe.build_routing(torch.tensor([[0, 7], [1, 2]], dtype=torch.int32, device="cuda"), 4)
+    torch.cuda.synchronize()
+    plan.num_invalid_host.value = -1  # as where the device cannot write pinned memory
+    with pytest.raises(ValueError, match="got 1 ids outside"):
+        IdRangeCheck(plan, 4).raise_if_any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

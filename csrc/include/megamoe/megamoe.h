@@ -46,6 +46,8 @@ typedef struct {
   int32_t* num_invalid;     // [1]            routes whose id is outside [-1, E): treated as masked
   void* workspace;          // megamoe_routing_workspace_bytes() bytes; device plans only
   megamoe_routing_shape shape;  // what the plan is built for: set before building, read by every consumer
+  int32_t* num_invalid_host;  // optional: host memory the device writes (pinned): the build writes
+                              // num_invalid here too, so the host reads it without a copy
 } megamoe_routing_plan;
 
 // Pool rows the plan can need in the worst case (every expert adds at most BLOCK_M - 1 padding rows).
