@@ -42,6 +42,9 @@ __device__ __forceinline__ int warp_row(int warpgroup) {
   return warpgroup * kWarpgroupRows + int((threadIdx.x / 32) % 4) * kWarpRows;
 }
 __device__ __forceinline__ int fragment_row(int warpgroup) { return warp_row(warpgroup) + int(threadIdx.x % 32) / 4; }
+// Where the warp's 16 rows start in a staged 128B-swizzled box of its warpgroup's 64 rows (the
+// epilogues' one-box-per-warp TMA stores).
+__device__ __forceinline__ uint32_t warp_box_offset() { return ((threadIdx.x / 32) % 4) * kWarpRows * kSwizzleBytes; }
 
 // sm_90 opt-in limit of dynamic shared memory per block (227 KB).
 constexpr int kSharedMemoryLimit = 232448;

@@ -187,7 +187,7 @@ __device__ __forceinline__ void tma_store_chunks(const uint32_t (&packed)[M], co
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     __syncwarp();
     if (leader) {
-      rows.store(tma_c, chunk + warp * kWarpRows * kSwizzleBytes, col0 + c * kEpiCols, row0 + warp * kWarpRows, where);
+      rows.store(tma_c, chunk + warp_box_offset(), col0 + c * kEpiCols, row0 + warp * kWarpRows, where);
       cute::tma_store_arrive();
     }
   }

@@ -118,9 +118,6 @@ struct GatedBackwardEpilogue {
     __device__ bool live(int half) const { return p[half] != 0.f; }
   };
 
-  // Where the warp's 16 rows start in a staged box of its warpgroup's 64 rows.
-  __device__ static uint32_t warp_box_offset() { return ((threadIdx.x / 32) % 4) * kWarpRows * kSwizzleBytes; }
-
   __device__ static void prefetch(const Params& p) {
     if (p.store_dz) cute::prefetch_tma_descriptor(&p.dz);
     cute::prefetch_tma_descriptor(&p.hp);

@@ -105,7 +105,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> visible to TMA
     __syncwarp();
     if (leader) {
-      cute::SM90_TMA_STORE_2D::copy(&p.h, chunk + warp * kWarpRows * kSwizzleBytes, pending.col0,
+      cute::SM90_TMA_STORE_2D::copy(&p.h, chunk + warp_box_offset(), pending.col0,
                                     pending.row0 + warp * kWarpRows);
       cute::tma_store_arrive();
     }
