@@ -27,6 +27,20 @@ MEGAMOE_HOST_DEVICE inline int64_t num_chunks(const megamoe_routing_shape& s) {
   return ceil_div(num_routes(s), kRoutesPerChunk);
 }
 
+// Small plans are built by one CTA of 32 warps, a warp per chunk, whose chunk counters (the
+// workspace's layout: per chunk one int32 per local expert, then one invalid-id count per chunk)
+// stay in its shared memory: one launch and no workspace instead of three launches.
+constexpr int64_t kOneCtaChunks = 32;
+constexpr int64_t kOneCtaCounterBytes = 64 * 1024;
+
+MEGAMOE_HOST_DEVICE inline int64_t chunk_counter_bytes(const megamoe_routing_shape& s) {
+  return num_chunks(s) * (int64_t(s.num_local_experts) + 1) * int64_t(sizeof(int32_t));
+}
+
+MEGAMOE_HOST_DEVICE inline bool builds_in_one_cta(const megamoe_routing_shape& s) {
+  return num_chunks(s) <= kOneCtaChunks && chunk_counter_bytes(s) <= kOneCtaCounterBytes;
+}
+
 // Local expert of a global id, or -1 for masked, out-of-range or other ranks' experts.
 MEGAMOE_HOST_DEVICE inline int32_t local_expert(int32_t id, const megamoe_routing_shape& s) {
   const int32_t local = id - s.expert_begin;

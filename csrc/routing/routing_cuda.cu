@@ -6,6 +6,8 @@
 //              compact) and the block list (each expert's chunks in 8 ranges: sums side by side,
 //              then bases), and sums the chunks' invalid ids;
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
+// A small plan (routing.h: builds_in_one_cta) runs the three in one CTA, its chunk counters in
+// shared memory, so a small batch pays one launch and no workspace.
 // Routes that hit the same expert inside one 32-route step are ranked with __match_any_sync. Count
 // and assign keep each warp's per-expert counters in shared memory and load the chunk's ids before
 // the walk: the walk is a chain of read-modify-writes, which in global memory would wait for L2 at
@@ -27,6 +29,9 @@ constexpr int kScanGroups = 8;     // chunk ranges per expert, scanned side by s
 constexpr int kScanThreads = kScanExperts * kScanGroups;
 constexpr int kStepsPerChunk = kRoutesPerChunk / 32;
 constexpr int kScanBatch = 16;
+// One CTA's chunk counters up to this size fit beside the scan's static shared memory within the
+// default 48 KB; larger ones (up to routing.h's kOneCtaCounterBytes) opt in.
+constexpr int kOneCtaDefaultCounterBytes = 32 * 1024;
 
 struct WarpGroupOfExpert {
   unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")
@@ -70,19 +75,21 @@ __device__ __forceinline__ WarpChunk warp_chunk(int32_t* shared_counters, const 
   return {int64_t(blockIdx.x) * (blockDim.x / 32) + warp, shared_counters + int64_t(warp) * s.num_local_experts};
 }
 
-__global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
-                             int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan, int64_t capacity) {
-  extern __shared__ int32_t shared_counters[];
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < capacity; i += threads) {
+// Every pool row and block starts unassigned (-1): the pool's rows [first, capacity) by `stride`.
+__device__ __forceinline__ void reset_pool(const megamoe_routing_plan& plan, int64_t capacity, int64_t first,
+                                           int64_t stride) {
+  for (int64_t i = first; i < capacity; i += stride) {
     plan.slot_to_route[i] = -1;
     if (i < capacity / kBlockM) plan.block_expert[i] = -1;
   }
-  const auto [chunk, counts] = warp_chunk(shared_counters, shape);
+}
+
+// The warp's count of its chunk's routes per local expert, into counts (shared memory, one int32 per
+// expert); returns the chunk's invalid ids (every lane).
+__device__ int32_t count_chunk(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& shape,
+                               int64_t chunk, int32_t* counts) {
   const int lane = threadIdx.x % 32;
-  if (chunk >= num_chunks(shape)) return;
-  const int32_t experts = shape.num_local_experts;
-  for (int32_t e = lane; e < experts; e += 32) counts[e] = 0;
+  for (int32_t e = lane; e < shape.num_local_experts; e += 32) counts[e] = 0;
   int32_t ids[kStepsPerChunk];
   load_chunk_ids(topk_ids, shape, chunk, ids);
   __syncwarp();
@@ -97,9 +104,21 @@ __global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routi
     if (lane == group.leader && expert >= 0) counts[expert] += __popc(group.peers);
     __syncwarp();
   }
+  return __reduce_add_sync(0xffffffffu, invalid);
+}
+
+__global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+                             int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan, int64_t capacity) {
+  extern __shared__ int32_t shared_counters[];
+  reset_pool(plan, capacity, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
+  const auto [chunk, counts] = warp_chunk(shared_counters, shape);
+  const int lane = threadIdx.x % 32;
+  if (chunk >= num_chunks(shape)) return;
+  const int32_t experts = shape.num_local_experts;
+  const int32_t invalid = count_chunk(topk_ids, shape, chunk, counts);
+  __syncwarp();
   int32_t* out = chunk_counts + chunk * experts;
   for (int32_t e = lane; e < experts; e += 32) out[e] = counts[e];
-  invalid = __reduce_add_sync(0xffffffffu, invalid);
   if (lane == 0) chunk_invalid_counts(chunk_counts, shape)[chunk] = invalid;
 }
 
@@ -112,9 +131,10 @@ __device__ __forceinline__ void load_count_batch(const int32_t* __restrict__ chu
   for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
 }
 
-__global__ void __launch_bounds__(kScanThreads)
-scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
-            megamoe_routing_plan plan) {
+// The scan, by a CTA of kScanThreads over chunk_counts (count's layout, in global or shared
+// memory): the counts become per-chunk bases, and the plan gets its offsets, block list and counts.
+__device__ void scan_counts(const megamoe_routing_shape& shape, int32_t* chunk_counts,
+                            const megamoe_routing_plan& plan) {
   using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage, routes_scan_storage;
   __shared__ int32_t group_sums[kScanGroups][kScanExperts];
@@ -139,7 +159,6 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
     }
   }
   __syncthreads();  // also before scan_storage is used again
-
   for (int32_t tile = 0; tile < experts; tile += kScanExperts) {
     const int expert_in_tile = threadIdx.x % kScanExperts;
     const int32_t e = tile + expert_in_tile;
@@ -200,15 +219,17 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts,
   }
 }
 
-__global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
-                             const int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
-  extern __shared__ int32_t shared_counters[];
-  const auto [chunk, next_slot] = warp_chunk(shared_counters, shape);
+__global__ void __launch_bounds__(kScanThreads)
+scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan) {
+  scan_counts(shape, chunk_counts, plan);
+}
+
+// The warp walks its chunk in route order and hands out pool slots: next_slot (shared memory, one
+// int32 per local expert) holds the chunk's base within each expert on entry.
+__device__ void assign_chunk(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& shape, int64_t chunk,
+                             int32_t* next_slot, const megamoe_routing_plan& plan) {
   const int lane = threadIdx.x % 32;
-  if (chunk >= num_chunks(shape)) return;
-  const int32_t experts = shape.num_local_experts;
-  const int32_t* bases = chunk_bases + chunk * experts;
-  for (int32_t e = lane; e < experts; e += 32) next_slot[e] = plan.expert_offsets[e] + bases[e];
+  for (int32_t e = lane; e < shape.num_local_experts; e += 32) next_slot[e] += plan.expert_offsets[e];
   int32_t ids[kStepsPerChunk];
   load_chunk_ids(topk_ids, shape, chunk, ids);
   __syncwarp();
@@ -231,6 +252,36 @@ __global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routi
       if (slot >= 0) plan.slot_to_route[slot] = int32_t(r);
     }
   }
+}
+
+__global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+                             const int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
+  extern __shared__ int32_t shared_counters[];
+  const auto [chunk, next_slot] = warp_chunk(shared_counters, shape);
+  if (chunk >= num_chunks(shape)) return;
+  const int32_t* bases = chunk_bases + chunk * shape.num_local_experts;
+  for (int32_t e = threadIdx.x % 32; e < shape.num_local_experts; e += 32) next_slot[e] = bases[e];
+  __syncwarp();
+  assign_chunk(topk_ids, shape, chunk, next_slot, plan);
+}
+
+// The three passes in one CTA of kScanThreads (builds_in_one_cta): warp w counts and assigns chunk
+// w; the chunk counters are the dynamic shared memory, in the workspace's layout.
+__global__ void __launch_bounds__(kScanThreads)
+build_in_one_cta(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape, megamoe_routing_plan plan,
+                 int64_t capacity) {
+  extern __shared__ int32_t chunk_counts[];
+  reset_pool(plan, capacity, threadIdx.x, blockDim.x);
+  const int64_t chunk = threadIdx.x / 32;
+  int32_t* counts = chunk_counts + chunk * shape.num_local_experts;
+  if (chunk < num_chunks(shape)) {
+    const int32_t invalid = count_chunk(topk_ids, shape, chunk, counts);
+    if (threadIdx.x % 32 == 0) chunk_invalid_counts(chunk_counts, shape)[chunk] = invalid;
+  }
+  __syncthreads();  // the counts and the reset pool before the scan writes the block list
+  scan_counts(shape, chunk_counts, plan);
+  __syncthreads();  // the bases and the expert offsets
+  if (chunk < num_chunks(shape)) assign_chunk(topk_ids, shape, chunk, counts, plan);
 }
 
 // Warps per CTA of count and assign, and their dynamic shared memory: up to kWarpsPerCta warps, as
@@ -269,9 +320,20 @@ using namespace megamoe::routing;
 extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_plan* plan,
                                           void* stream_handle) {
   if (plan == nullptr) return megamoe::invalid_argument("routing: null plan");
-  MEGAMOE_RETURN_IF_ERROR(validate(plan, num_routes(plan->shape) > 0));
   const auto& s = plan->shape;
+  const bool one_cta = builds_in_one_cta(s);
+  MEGAMOE_RETURN_IF_ERROR(validate(plan, !one_cta));
   auto stream = static_cast<cudaStream_t>(stream_handle);
+  if (one_cta) {
+    const int counter_bytes = int(chunk_counter_bytes(s));
+    if (counter_bytes > kOneCtaDefaultCounterBytes) {  // past the default limit beside the scan's own
+      MEGAMOE_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(build_in_one_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, counter_bytes));
+    }
+    build_in_one_cta<<<1, kScanThreads, counter_bytes, stream>>>(topk_ids, s, *plan, megamoe_routing_capacity(&s));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return MEGAMOE_OK;
+  }
   auto* chunk_counts = static_cast<int32_t*>(plan->workspace);
   const int64_t chunks = num_chunks(s);
   ChunkLaunch launch{};
@@ -279,14 +341,12 @@ extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe
   const int grid = int(ceil_div(chunks, launch.warps_per_cta));
   const int threads = launch.warps_per_cta * 32;
 
-  count_chunks<<<grid > 0 ? grid : 1, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan,
-                                                                              megamoe_routing_capacity(&s));
+  count_chunks<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan,
+                                                               megamoe_routing_capacity(&s));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (chunks > 0) {
-    assign_slots<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
+  assign_slots<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

@@ -102,6 +102,6 @@ extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe
 
 extern "C" size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape) {
   // Per-chunk, per-expert counters (then the chunk's running base) and per-chunk invalid-id counts
-  // for the CUDA plan.
-  return size_t(num_chunks(*shape)) * size_t(shape->num_local_experts + 1) * sizeof(int32_t);
+  // for the CUDA plan; none where one CTA holds them in shared memory.
+  return builds_in_one_cta(*shape) ? 0 : size_t(chunk_counter_bytes(*shape));
 }

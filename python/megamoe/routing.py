@@ -156,9 +156,11 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
     plan = RoutingPlan.from_buffer(buffer, topk_ids.shape[0], topk_ids.shape[1], local, num_experts, expert_begin)
     plan.shape.num_local_experts = num_local
     if device.type == "cuda":
-        workspace = torch.empty(_native.library().megamoe_routing_workspace_bytes(ctypes.byref(plan.shape)),
-                                dtype=torch.uint8, device=device)
-        native = plan.native(workspace)
+        workspace_bytes = _native.library().megamoe_routing_workspace_bytes(ctypes.byref(plan.shape))
+        if workspace_bytes:
+            native = plan.native(torch.empty(workspace_bytes, dtype=torch.uint8, device=device))
+        else:  # a small plan, built by one CTA: a copy of the consumers' struct, the count slot the build's own
+            native = _native.RoutingPlan.from_buffer_copy(plan.native())
         if not torch.cuda.is_current_stream_capturing():  # a replayed graph would write a slot since reused
             plan.num_invalid_host = _host_count_slot(device)
             native.num_invalid_host = ctypes.addressof(plan.num_invalid_host)

@@ -70,6 +70,11 @@ std::vector<Case> cases() {
   out.push_back(make_case("top1", 513, 1, 4, 0, 4, 0.0, 0.0, 8));
   out.push_back(make_case("local_slice", 2048, 8, 128, 32, 32, 0.1, 0.05, 9));
   out.push_back(make_case("many_experts", 3000, 6, 2000, 0, 2000, 0.0, 0.0, 10));
+  // Around the one-CTA build (32 chunks of 512 routes, chunk counters up to 64 KB; local_slice has
+  // exactly 32 chunks): one chunk more, counters past 64 KB, and counters past the default 48 KB.
+  out.push_back(make_case("past_one_cta", 2049, 8, 128, 0, 128, 0.2, 0.0, 12));
+  out.push_back(make_case("few_routes_many_experts", 1000, 6, 2000, 0, 2000, 0.0, 0.0, 13));
+  out.push_back(make_case("one_cta_large_counters", 1500, 4, 1024, 0, 1024, 0.1, 0.1, 14));
   auto invalid = make_case("invalid_ids", 200, 4, 16, 0, 16, 0.0, 0.0, 11);
   invalid.ids[3] = 16;
   invalid.ids[17] = -5;
@@ -229,6 +234,20 @@ TEST(RoutingValidation, RejectsNullPlan) {
   plan.slot_to_route = buf.data();
   plan.compact_offsets = nullptr;
   expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
+}
+
+TEST(RoutingValidation, WorkspaceOnlyPastOneCta) {
+  const megamoe_routing_shape small{2048, 8, 128, 0, 128}, more_chunks{2049, 8, 128, 0, 128},
+      more_experts{1000, 6, 2000, 0, 2000};
+  EXPECT_EQ(megamoe_routing_workspace_bytes(&small), 0u);
+  EXPECT_EQ(megamoe_routing_workspace_bytes(&more_chunks), 33u * 129 * 4);
+  EXPECT_EQ(megamoe_routing_workspace_bytes(&more_experts), 12u * 2001 * 4);
+  // Checked before any CUDA call, so without a GPU too: a plan that needs a workspace must have one.
+  std::vector<int32_t> buf(1 << 16, 0);
+  int32_t scalar[2];
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
+                            scalar,     scalar + 1, nullptr,    more_chunks};
+  expect_rejected(megamoe_build_routing_cuda(buf.data(), &plan, nullptr), "a plan output pointer is null");
 }
 
 TEST(RoutingValidation, CapacityBoundsEveryRouting) {

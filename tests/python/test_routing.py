@@ -66,7 +66,7 @@ def test_bad_plan_arguments_raise():
 
 @requires_cuda
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-@pytest.mark.parametrize("tokens", [1, 4095, 65536])
+@pytest.mark.parametrize("tokens", [1, 1024, 4095, 65536])  # 1 and 1024 (but not at K = 16): one CTA builds it
 @pytest.mark.parametrize("experts, top_k", [(128, 8), (1024, 16), (512, 10)])
 def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
     ids, _ = megamoe.make_routing(tokens, experts, top_k, routing)
@@ -79,8 +79,10 @@ def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
 
 
 @requires_cuda
-def test_the_cuda_plan_writes_its_count_of_invalid_ids_to_host_memory_too():
-    ids = torch.tensor([[0, 9], [-3, 1], [2, -1]], dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("tokens", [3, 9000])  # built by one CTA, and by three passes
+def test_the_cuda_plan_writes_its_count_of_invalid_ids_to_host_memory_too(tokens):
+    ids = torch.randint(0, 4, (tokens, 2), dtype=torch.int32, device="cuda")
+    ids[0, 1], ids[1, 0], ids[2, 1] = 9, -3, -1
     plan = build_routing(ids, 4)
     torch.cuda.synchronize()
     assert plan.num_invalid_host.value == int(plan.num_invalid) == 2

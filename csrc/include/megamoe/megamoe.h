@@ -44,7 +44,7 @@ typedef struct {
   int32_t* block_expert;    // [max_blocks]   local expert of pool block b (rows b*128 .. b*128+127)
   int32_t* num_blocks;      // [1]            blocks in use
   int32_t* num_invalid;     // [1]            routes whose id is outside [-1, E): treated as masked
-  void* workspace;          // megamoe_routing_workspace_bytes() bytes; device plans only
+  void* workspace;          // megamoe_routing_workspace_bytes() bytes (may be 0: then null); device plans only
   megamoe_routing_shape shape;  // what the plan is built for: set before building, read by every consumer
   int32_t* num_invalid_host;  // optional: host memory the device writes (pinned): the build writes
                               // num_invalid here too, so the host reads it without a copy
