@@ -4,7 +4,8 @@ weights have fp32 `main_grad` buffers, so the backward allocates no weight gradi
 real calls on the GPU, without the id check's wait (so the host runs ahead of the kernels): the host's
 time per call, launches included, on that machine. With --steps (and --gpu), the id check stays, and
 the host time of each step of the layer (the routing plan, each launch's wrapper, the FP8 weight
-cache, the id check's wait) is reported as well, as the no_grad forward the benchmark times.
+cache, the id check's wait) is reported as well, for the no_grad forward the benchmark times and
+for the forward + backward.
 
     python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--precision bf16] [--gpu]
                                             [--steps]
@@ -124,7 +125,10 @@ def main() -> None:
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
     if args.steps:
-        report_steps(forward, args)
+        spent = time_steps()
+        with torch.no_grad():
+            report_steps(forward, "no_grad forward", spent, args)
+        report_steps(forward_backward, "forward + backward", spent, args)
         return
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
     print(f"{args.preset}, {args.tokens} tokens, {args.precision}, host time per call ({what}): "
@@ -132,21 +136,19 @@ def main() -> None:
           f"forward + backward {per_call_us(forward_backward, args.calls, args.rounds):.0f} µs")
 
 
-def report_steps(forward, args: argparse.Namespace) -> None:
-    """Wall time per no_grad forward (the benchmark's fwd) with the GPU, and each step's host time."""
-    spent = time_steps()
+def report_steps(fn, label: str, spent: collections.Counter, args: argparse.Namespace) -> None:
+    """Wall time per call of fn with the GPU, and each step's host time (spent: time_steps')."""
     calls = args.calls * args.rounds
-    with torch.no_grad():
-        per_call_us(forward, args.calls, 1)  # warm-up, wrapped
-        spent.clear()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            forward()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / calls * 1e6
+    per_call_us(fn, args.calls, 1)  # warm-up, wrapped
+    spent.clear()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / calls * 1e6
     steps = ", ".join(f"{name} {seconds / calls * 1e6:.1f}" for name, seconds in spent.most_common())
-    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, no_grad forward: {wall:.0f} µs per call with "
+    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, {label}: {wall:.0f} µs per call with "
           f"the GPU; host µs per call by step: {steps} (the rest: {wall - sum(spent.values()) / calls * 1e6:.0f})")
 
 
