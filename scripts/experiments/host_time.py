@@ -93,7 +93,8 @@ def main() -> None:
                         help="the real calls on the GPU, the id check's wait left out (at most 20 calls a round, "
                              "so the launch queue never fills)")
     parser.add_argument("--steps", action="store_true",
-                        help="with --gpu: keep the id check and report the host time of each step of a forward")
+                        help="with --gpu: keep the id check and report the host time of each step of a forward "
+                             "and of a forward + backward")
     args = parser.parse_args()
     if args.steps and not args.gpu:
         parser.error("--steps needs --gpu")
