@@ -78,8 +78,9 @@ ScatterGemmFp8Args = _struct("megamoe_scatter_gemm_fp8_args", ("a", _ptr), ("a_s
                              ("n", _i32), ("k", _i32))
 GatedBackwardFp8Args = _struct("megamoe_gated_backward_fp8_args", ("dy_pool", _ptr), ("dy_scales", _ptr),
                                ("w2t", _ptr), ("w2t_scales", _ptr), ("z", _ptr), ("p_pool", _ptr), ("dz", _ptr),
-                               ("hp", _ptr), ("dp_partial", _ptr), ("dz_q", _ptr), ("dz_scales", _ptr),
-                               ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+                               ("hp", _ptr), ("dp_partial", _ptr), ("dz_q", _ptr), ("dz_scales", _ptr), ("dz_t", _ptr),
+                               ("dz_t_scales", _ptr), ("hp_t", _ptr), ("hp_t_scales", _ptr), ("intermediate", _i32),
+                               ("hidden", _i32), ("activation", _i32))
 GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
                         ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
 ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),

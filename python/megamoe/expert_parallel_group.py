@@ -376,12 +376,12 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
         weight_grad(dy_pool, hp, plan, dw2)
     else:
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
-        (dz_q, dz_scales), hp, dp_partial, _ = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan,
-                                                                  activation)
+        dh = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan, activation)
         w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
-        grouped_gemm_fp8(dz_q, dz_scales, w13t, w13t_scales, plan, out=dx_pool)
-        weight_grad_fp8(dz_q, x_bf16, plan, dw13, a_row_scales=dz_scales)
-        weight_grad_fp8(dy_fp8[0], hp, plan, dw2, a_row_scales=dy_fp8[1])
+        grouped_gemm_fp8(*dh.dz_rows, w13t, w13t_scales, plan, out=dx_pool)
+        weight_grad_fp8(dh.dz_t, x_bf16, plan, dw13)
+        weight_grad_fp8(dy_fp8[0], dh.hp_t, plan, dw2, a_row_scales=dy_fp8[1])
+        dp_partial = dh.dp_partial
     return reduce_dp(dp_partial, plan)
 
 

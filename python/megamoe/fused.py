@@ -179,7 +179,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     if fp8_backward:
         dy_pool = dispatch_fp8(plan, dy)  # e4m3 rows and their scales, for dh and dW2
         w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
-        dz_fp8, hp, dp_partial, _ = gated_backward_fp8(*dy_pool, w2t, w2t_scales, z, p_pool, plan, activation)
+        # dz for dx, and dz and hp transposed for the weight gradients: each freed once read
+        dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(*dy_pool, w2t, w2t_scales, z, p_pool, plan, activation)
     else:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
     if free_z:
@@ -203,6 +204,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         if fp8_backward:
             w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
             grouped_gemm_scatter_fp8(*dz_fp8, w13t, w13t_scales, plan, routed)
+            del dz_fp8
         else:
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
         dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
@@ -212,7 +214,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             dw13 = w13.new_empty(w13.shape)
         out = dw13 if main_grad13 is None else main_grad13
         if fp8_backward:
-            weight_grad_fp8(dz_fp8[0], x, plan, out, b_tokens=True, a_row_scales=dz_fp8[1])
+            weight_grad_fp8(dz_t, x, plan, out, b_tokens=True)
         elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
         else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import _native
 from .activation import activation_id
 from .routing import RoutingPlan
+
+FP8Pair = tuple[torch.Tensor, torch.Tensor]  # e4m3 values and their fp32 scales
 
 
 def _check_pool_operands(name: str, a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, dtype: torch.dtype) -> int:
@@ -88,7 +92,7 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
 
 def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor,
                    plan: RoutingPlan, activation: str = "swiglu", z: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   ) -> FP8Pair:
     """Block-FP8 gated_gemm: (h e4m3 [rows, I], h_scales [I / 128, rows]) from e4m3 a [rows, H] with
     a_scales [H / 128, rows] and e4m3 w13 [E_local, 2I, H] with w13_scales [E_local, 2I / 128, H / 128];
     h = act(gate) · up quantised per row and 128 columns; z as in gated_gemm."""
@@ -138,13 +142,23 @@ def recompute_z(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activatio
     return z
 
 
-def _backward_outputs(plan: RoutingPlan, z: torch.Tensor, inter: int, bf16_dz: bool = True
-                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The dh epilogue's outputs in pool order: dz [rows, 2I] (None without bf16_dz) and hp [rows, I]
-    bf16, dp partials [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
+def _backward_outputs(plan: RoutingPlan, z: torch.Tensor, inter: int, bf16: bool = True
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The dh epilogue's outputs in pool order: dz [rows, 2I] and hp [rows, I] bf16 (None without
+    bf16), dp partials [rows, I / 128 rounded up] fp32 (MEGAMOE_DP_PARTIAL_COLS)."""
     rows = plan.pool_rows
-    return (z.new_empty(rows, 2 * inter) if bf16_dz else None, z.new_empty(rows, inter),
+    return (z.new_empty(rows, 2 * inter) if bf16 else None, z.new_empty(rows, inter) if bf16 else None,
             torch.empty(rows, -(-inter // 128), dtype=torch.float32, device=z.device))
+
+
+class Fp8DhOutputs(NamedTuple):
+    """What the FP8 dh leaves for the rest of the backward (gated_backward_fp8)."""
+    dz_rows: FP8Pair  # dz [rows, 2I] e4m3, scales [2I / 128, rows]: fp8.quantize_rows of the bf16 dz (dx)
+    dz_t: FP8Pair  # dz transposed [2I, rows], scales [rows / 128, 2I]: transpose_quantize along the rows (dW13)
+    hp_t: FP8Pair  # hp transposed [I, rows], scales [I / 128, rows / 128]: transpose_quantize in blocks (dW2)
+    dp_partial: torch.Tensor  # [rows, I / 128 rounded up] fp32
+    dz: torch.Tensor | None  # the bf16 dz and hp, when asked for
+    hp: torch.Tensor | None
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
@@ -165,24 +179,32 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
 
 def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torch.Tensor, w2t_scales: torch.Tensor,
                        z: torch.Tensor, p_pool: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
-                       bf16_dz: bool = False
-                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """((dz_q, dz_scales), hp, dp partials, dz): gated_backward with dh in block FP8, dy_pool [rows, H]
-    e4m3 with dy_scales [H / 128, rows], w2t [E_local, I, H] e4m3 (w2 transposed) with w2t_scales
-    [E_local, I / 128, H / 128]; dz in e4m3, dz_q [rows, 2I] with dz_scales [2I / 128, rows] (the bytes
-    fp8.quantize_rows makes of the bf16 dz), and with bf16_dz the bf16 dz itself (else None)."""
+                       bf16: bool = False) -> Fp8DhOutputs:
+    """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows], w2t
+    [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]; dz in e4m3 for dx
+    and transposed for dW13, hp transposed for dW2 (Fp8DhOutputs); with bf16 the bf16 dz and hp too."""
     act = activation_id(activation)
     num_local, inter, hidden = w2t.shape
-    dz, hp, dp_partial = _backward_outputs(plan, z, inter, bf16_dz)
-    dz_q = torch.empty(plan.pool_rows, 2 * inter, dtype=torch.float8_e4m3fn, device=z.device)
-    dz_scales = torch.empty(2 * inter // 128, plan.pool_rows, dtype=torch.float32, device=z.device)
+    rows = plan.pool_rows
+    dz, hp, dp_partial = _backward_outputs(plan, z, inter, bf16)
+
+    def e4m3(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float8_e4m3fn, device=z.device)
+
+    def scales(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=z.device)
+
+    dz_rows = e4m3(rows, 2 * inter), scales(2 * inter // 128, rows)
+    dz_t = e4m3(2 * inter, rows), scales(rows // 128, 2 * inter)
+    hp_t = e4m3(inter, rows), scales(inter // 128, rows // 128)
+    pointer = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
-                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
-                                        0 if dz is None else dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(),
-                                        dz_q.data_ptr(), dz_scales.data_ptr(), inter, hidden, act)
+                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), pointer(dz),
+                                        pointer(hp), dp_partial.data_ptr(), *(pointer(t) for t in dz_rows),
+                                        *(pointer(t) for t in dz_t), *(pointer(t) for t in hp_t), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
-    return (dz_q, dz_scales), hp, dp_partial, dz
+    return Fp8DhOutputs(dz_rows, dz_t, hp_t, dp_partial, dz, hp)
 
 
 def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -209,7 +231,7 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
 
 
 def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, tokens: bool = False,
-                       src_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       src_scales: torch.Tensor | None = None) -> FP8Pair:
     """The plan's pool of src, [rows, C] -> (e4m3 [C, rows], scales) transposed and quantised along the
     rows (the weight gradients' K), over the plan's live blocks: one scale per column and 128 rows,
     scales [rows / 128, C]; with in_blocks one per 128 x 128 block, scales [C / 128, rows / 128]. src is
@@ -229,17 +251,19 @@ def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, to
     return q_t, scales
 
 
-def weight_grad_fp8(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor, b_tokens: bool = False,
-                    a_row_scales: torch.Tensor | None = None) -> None:
+def weight_grad_fp8(a: torch.Tensor | FP8Pair, b: torch.Tensor | FP8Pair, plan: RoutingPlan,
+                    out: torch.Tensor, b_tokens: bool = False, a_row_scales: torch.Tensor | None = None) -> None:
     """weight_grad in block FP8: a [rows, M] in 1 x 128 blocks along the rows (one scale per column
     and 128 rows: dy, dz), b [rows, N] in 128 x 128 blocks (p·h, x), each transposed for the K-major
     FP8 tensor cores (transpose_quantize; b_tokens: b is token rows, gathered by the plan;
-    a_row_scales: a is e4m3 rows with these scales, dy and dz as dh and dx read them); fp32 sums of
-    each 128-deep k-block's products."""
-    a_t, a_scales = transpose_quantize(a, plan, in_blocks=False, src_scales=a_row_scales)
-    b_t, b_scales = transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
+    a_row_scales: a is e4m3 rows with these scales, dy as dh reads it; a or b may also be given as the
+    pair transpose_quantize would make of it, dz and hp as dh makes them); fp32 sums of each 128-deep
+    k-block's products."""
+    a_t, a_scales = a if isinstance(a, tuple) else transpose_quantize(a, plan, in_blocks=False,
+                                                                       src_scales=a_row_scales)
+    b_t, b_scales = b if isinstance(b, tuple) else transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _native.call("megamoe_grouped_weight_grad_fp8", "FP8 weight gradient", plan.native(),
                  _native.WeightGradFp8Args(a_t.data_ptr(), a_scales.data_ptr(), b_t.data_ptr(), b_scales.data_ptr(),
                                            out.data_ptr(), out.shape[1], out.shape[2], output),
-                 _native.stream(a.device))
+                 _native.stream(out.device))

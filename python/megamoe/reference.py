@@ -80,8 +80,8 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     "fp8_bwd" (bf16 forward): the data-gradient GEMMs quantise dy per token and dz per row (1 x 128)
     with the weights' blocks (dh = dy·w2, dx = dz·w13), and the weight gradients quantise each
     expert's rows (in pool order, padded to 128) of dy and dz in 1 x 128 blocks along the tokens and
-    of p·h and x in 128 x 128 blocks (dw2 = dyᵀ·(p·h), dw13 = dzᵀ·x), dy's and dz's taken from their
-    per-row copies (dh's and dx's operands) dequantised to bf16. dp = ⟨h, dh⟩ with h before its
+    of p·h and x in 128 x 128 blocks (dw2 = dyᵀ·(p·h), dw13 = dzᵀ·x), dy taken from its per-row copy
+    (dh's operand) dequantised to bf16, dz from bf16 (dh quantises it both ways). dp = ⟨h, dh⟩ with h before its
     quantisation. In the FP8 backward the tensors the kernels hold in bf16 are rounded to bf16 where
     they do: z (kept from the forward), dz and p·h."""
     check_activation(activation)
@@ -122,7 +122,7 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
         dx.index_add_(0, t, dz_rows @ w13b[e])
         if fp8_backward:
             dw2[e] = fp8_along_tokens(_bf16(dyb[t])).T @ fp8_token_blocks(_bf16(pe * h))
-            dw13[e] = fp8_along_tokens(_bf16(dz_rows)).T @ fp8_token_blocks(xd[t])
+            dw13[e] = fp8_along_tokens(_bf16(dz)).T @ fp8_token_blocks(xd[t])
         else:
             dw2[e] = dyd[t].T @ (pe * h)
             dw13[e] = dz.T @ xd[t]

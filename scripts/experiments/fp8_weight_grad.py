@@ -6,9 +6,9 @@ the bf16 operands, next to the error of the bf16 GEMM's one output rounding. Two
 operands in 1 x 128 blocks along the tokens (a scale per column and 128 tokens on each side: the
 GEMM's promotion scales every fragment column by its own scale), and the second operand in 128 x 128
 blocks of 128 tokens and 128 columns instead (the promotion of the forward's FP8 GEMMs: one scale per
-fragment row and 128-column block); and, as the layer runs it, the first operand taken from its own
-1 x 128 row copy (the data gradient's operand, quantised along its columns), dequantised to bf16,
-before it is quantised along the tokens. Each on Gaussian data, and with 1% of the second operand's
+fragment row and 128-column block: how the layer runs dW13); and, as the layer runs dW2, the first
+operand taken from its own 1 x 128 row copy (dh's operand dy, quantised along its columns),
+dequantised to bf16, before it is quantised along the tokens. Each on Gaussian data, and with 1% of the second operand's
 columns 50x larger (outlier channels, which a 128 x 128 block shares with 127 others).
 Speed (--speed, a GPU): a bound, not the kernel. All experts' weight gradients together have the
 FLOPs of one dense [m, R] x [R, n] product over the R = T·K routes; it is timed sustained as a bf16

@@ -267,16 +267,22 @@ TEST(GroupedGemmSwigluBackwardValidation, Fp8RejectsBadArguments) {
   auto* fp = reinterpret_cast<float*>(check_buf);
   expect_rejections<Args>(
       megamoe_grouped_gemm_gated_backward_fp8, unread_plan(),
-      Args{p, fp, p, fp, p, fp, p, p, fp, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
+      Args{p, fp, p, fp, p, fp, p, p, fp, p, fp, p, fp, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
       {
           {[](auto&, auto& a) { a.dy_pool = nullptr; }, "dy_pool must be non-null"},
           {[](auto&, auto& a) { a.w2t = nullptr; }, "w2t must be non-null"},
           {[](auto&, auto& a) { a.z = nullptr; }, "z must be non-null"},
           {[](auto&, auto& a) { a.dz = check_buf + 8; }, "dz must be 16-byte aligned"},  // optional in FP8
-          {[](auto&, auto& a) { a.hp = check_buf + 8; }, "hp must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.hp = check_buf + 8; }, "hp must be 16-byte aligned"},  // optional in FP8
           {[](auto&, auto& a) { a.dz_q = nullptr; }, "dz_q must be non-null"},
           {[](auto&, auto& a) { a.dz_scales = reinterpret_cast<float*>(check_buf) + 1; },
            "dz_scales must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.dz_t = nullptr; }, "dz_t must be non-null"},
+          {[](auto&, auto& a) { a.dz_t_scales = reinterpret_cast<float*>(check_buf) + 1; },
+           "dz_t_scales must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.hp_t = nullptr; }, "hp_t must be non-null"},
+          {[](auto&, auto& a) { a.hp_t_scales = reinterpret_cast<float*>(check_buf) + 1; },
+           "hp_t_scales must be 16-byte aligned"},
           {[](auto&, auto& a) { a.intermediate = 200; },
            "intermediate must be a positive multiple of 128 (block-FP8 scale blocks), got 200"},
           {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},

@@ -93,9 +93,11 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
 @requires_cuda
 # BLOCK_N 256 (two 128-column blocks of dg and of du per tile), 128 (I = 384: one each), two tiles.
 @pytest.mark.parametrize("inter", [256, 384, 512])
-def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
-    """The FP8 dh epilogue's e4m3 dz and scales are the bytes fp8.quantize_rows makes of its bf16 dz:
-    padding rows (zeros, scale 1) and a token whose dy holds a NaN (non-finite blocks) included."""
+def test_dh_stores_dz_and_hp_in_e4m3_as_the_quantisations_would(inter):
+    """The FP8 dh epilogue's e4m3 outputs are the bytes the quantisation ops make of its bf16 dz and hp:
+    dz's rows as fp8.quantize_rows makes them, dz transposed as transpose_quantize makes it along the
+    rows and hp transposed as it makes it in 128 x 128 blocks; padding rows (zeros, scale 1) and a
+    token whose dy holds a NaN (non-finite dz blocks) included."""
     tokens, experts, hidden = 300, 8, 256
     ids, weights = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(5))
     plan = build_routing(ids.cuda(), experts)
@@ -105,19 +107,31 @@ def test_dh_stores_dz_in_e4m3_as_the_row_quantisation_would(inter):
     w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
     w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
     z = (torch.randn(plan.num_routes, 2 * inter, device="cuda") * 3).bfloat16()  # compact, as GEMM1 keeps it
-    (dz_q, dz_scales), _, _, dz = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan,
-                                                     bf16_dz=True)
-    q, scales = fp8.quantize_rows(dz)
+    out = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan, bf16=True)
     live = int(plan.num_blocks) * 128
-    assert torch.equal(dz_q[:live].view(torch.uint8), q[:live].view(torch.uint8))
-    assert torch.equal(dz_scales[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
-    assert dz_scales[:, int(plan.route_to_slot[3, 0])].isnan().any()
-    # Without the bf16 dz (what the layer runs): the same e4m3 bytes.
-    (alone_q, alone_scales), _, _, none = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool,
-                                                             plan)
-    assert none is None
-    assert torch.equal(alone_q[:live].view(torch.uint8), dz_q[:live].view(torch.uint8))
-    assert torch.equal(alone_scales[:, :live].view(torch.int32), dz_scales[:, :live].view(torch.int32))
+    nan_row = int(plan.route_to_slot[3, 0])
+
+    # The live pool blocks of each output: (values, scales) of dz's rows, dz transposed, hp transposed.
+    blocks = live // 128
+    live_parts = {"dz_rows": (lambda v: v[:live], lambda s: s[:, :live]),
+                  "dz_t": (lambda v: v[:, :live], lambda s: s[:blocks]),
+                  "hp_t": (lambda v: v[:, :live], lambda s: s[:, :blocks])}
+
+    def assert_bytes_equal(name, got, want):
+        values, scales = live_parts[name]
+        assert torch.equal(values(got[0]).view(torch.uint8), values(want[0]).view(torch.uint8))
+        assert torch.equal(scales(got[1]).view(torch.int32), scales(want[1]).view(torch.int32))
+
+    assert_bytes_equal("dz_rows", out.dz_rows, fp8.quantize_rows(out.dz))
+    assert_bytes_equal("dz_t", out.dz_t, transpose_quantize(out.dz, plan, in_blocks=False))
+    assert_bytes_equal("hp_t", out.hp_t, transpose_quantize(out.hp, plan, in_blocks=True))
+    assert out.dz_rows[1][:, nan_row].isnan().any()
+    assert out.dz_t[1][nan_row // 128].isnan().any()
+    # Without the bf16 dz and hp (what the layer runs): the same e4m3 bytes.
+    alone = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan)
+    assert alone.dz is None and alone.hp is None
+    for name in live_parts:
+        assert_bytes_equal(name, getattr(alone, name), getattr(out, name))
 
 
 @requires_cuda

@@ -443,8 +443,12 @@ int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
 // cores read both operands K-major), with w2t_scales [E_local, intermediate / 128, hidden / 128]. The
 // epilogue and every other argument as in the bf16 version, but dz is in block FP8: dz_q
 // [max_blocks * 128, 2 * intermediate] e4m3 with dz_scales [2 * intermediate / 128, max_blocks * 128],
-// the bytes megamoe_quantize_rows_fp8 makes of the bf16 dz, which is stored as well only where dz is
-// not null (dx and the FP8 weight gradient read the e4m3 copy).
+// the bytes megamoe_quantize_rows_fp8 makes of the bf16 dz (for dx), and dz_t [2 * intermediate,
+// max_blocks * 128] e4m3 with dz_t_scales [max_blocks, 2 * intermediate], the bytes
+// megamoe_transpose_quantize_fp8 makes of it along the rows (MEGAMOE_FP8_ALONG_ROWS, for dW13); and hp
+// as hp_t [intermediate, max_blocks * 128] e4m3 with hp_t_scales [intermediate / 128, max_blocks], what
+// that function makes of it in 128 x 128 blocks (MEGAMOE_FP8_IN_BLOCKS, for dW2). The bf16 dz and hp are
+// stored as well only where dz and hp are not null.
 typedef struct {
   const void* dy_pool;
   const float* dy_scales;
@@ -453,10 +457,14 @@ typedef struct {
   const void* z;  // [T * K, 2 * intermediate], compact
   const float* p_pool;
   void* dz;  // optional
-  void* hp;
+  void* hp;  // optional
   float* dp_partial;
   void* dz_q;
   float* dz_scales;
+  void* dz_t;
+  float* dz_t_scales;
+  void* hp_t;
+  float* hp_t_scales;
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward

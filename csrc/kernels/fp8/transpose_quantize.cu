@@ -1,10 +1,9 @@
-// The block-FP8 weight gradients' operands (grouped_weight_grad.cu): a pool [rows, cols] bf16 (p·h
-// in pool order) transposed and quantised along its rows, the weight gradient's K, with
-// the rounding of e4m3.cuh; or, from token rows [T, cols], the pool the plan's dispatch would make of
-// them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it. The source
-// may itself be e4m3 rows with 1 x 128 scales (dy as dispatched for dh, dz as dh's epilogue quantised
-// it for dx): each value is dequantised to bf16 (e4m3.cuh) as it is staged, so the pass reads half
-// the bytes of a bf16 copy.
+// The block-FP8 weight gradients' operands (grouped_weight_grad.cu) that dh's epilogue does not make
+// itself: a pool [rows, cols] bf16 transposed and quantised along its rows, the weight gradient's K,
+// with the rounding of e4m3.cuh; or, from token rows [T, cols] (x), the pool the plan's dispatch would
+// make of them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it. The
+// source may itself be e4m3 rows with 1 x 128 scales (dy as dispatched for dh): each value is
+// dequantised to bf16 (e4m3.cuh) as it is staged, so the pass reads half the bytes of a bf16 copy.
 //   MEGAMOE_FP8_ALONG_ROWS: one scale per column and 128 rows (1 x 128 blocks along the tokens),
 //                           scales [rows / 128, cols]
 //   MEGAMOE_FP8_IN_BLOCKS:  one scale per 128 x 128 block, scales [cols / 128, rows / 128]

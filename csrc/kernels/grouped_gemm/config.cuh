@@ -50,11 +50,14 @@ __device__ __forceinline__ uint32_t warp_box_offset() { return ((threadIdx.x / 3
 constexpr int kSharedMemoryLimit = 232448;
 constexpr int kMaxStages = 8;
 
-// Shared memory of S stages, the epilogue buffers and 2 mbarriers per stage (the kernel declares its
+// Two words per math warp, for an epilogue's reductions over the whole tile (epilogue_gated_backward.cuh).
+constexpr int kExchangeBytes = 2 * kMathWarps * 4;
+
+// Shared memory of S stages, the epilogue buffers, 2 mbarriers per stage and the exchange words (the kernel declares its
 // dynamic shared memory 1024-aligned, as the swizzled tiles need, so no slack is reserved: at the
 // 256-wide block-FP8 tile 1 KB of slack would cost a fourth stage).
 constexpr int shared_bytes(int stages, int stage_bytes, int epi_bytes) {
-  return stages * (stage_bytes + 16) + epi_bytes;
+  return stages * (stage_bytes + 16) + epi_bytes + kExchangeBytes;
 }
 // As many stages as fit next to the epilogue buffers.
 constexpr int pipeline_stages(int stage_bytes, int epi_bytes) {
@@ -104,6 +107,7 @@ struct Config : StageLayout<(kBlockM + BlockN) * kBlockK * 2, BlockN> {
 
 // Shared memory, carved from the start of the dynamic allocation (1024-aligned, kernel.cuh):
 //   [A stage 0..S-1][B stage 0..S-1][epilogue chunks][A scales stage 0..S-1 (FP8)][full barriers][empty barriers]
+//   [exchange words]
 // Every tile and chunk size is a multiple of 1024, so every tile starts on a swizzle-atom boundary.
 template <class Cfg>
 struct SharedStorage {
@@ -124,6 +128,7 @@ struct SharedStorage {
     return reinterpret_cast<uint64_t*>(a_scales(Cfg::kStages)) + stage;  // right after the last scales
   }
   __device__ uint64_t* empty(int stage) const { return full(Cfg::kStages) + stage; }
+  __device__ uint32_t* exchange() const { return reinterpret_cast<uint32_t*>(empty(Cfg::kStages)); }
 };
 
 }  // namespace megamoe::grouped_gemm

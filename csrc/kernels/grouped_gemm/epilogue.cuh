@@ -70,6 +70,22 @@ __device__ __forceinline__ uint4 load_shared_16(const uint8_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint32_t load_shared_u32(uint32_t address) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address));
+  return v;
+}
+
+__device__ __forceinline__ void store_shared_u32(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v));
+}
+
+// bar.sync on named barrier `id` (1..15; 0 is __syncthreads) for `threads` threads, whole warps; the
+// memory clobber keeps the compiler's loads and stores on their side of it.
+__device__ __forceinline__ void sync_threads(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void store_shared_u16(uint8_t* p, uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(p)), "h"(v));
 }

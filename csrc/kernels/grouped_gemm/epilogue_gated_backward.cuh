@@ -22,11 +22,15 @@
 // dp: each thread sums its 32 columns of each 128-column partial for each of its 2 rows, then the 4
 // lanes sharing a row add in a fixed butterfly; lane l % 4 == 0 writes the row's partial. No atomics:
 // deterministic, and the same sums in the same order for either BLOCK_N.
-// Block FP8 stores dz in e4m3 for dx and the weight gradient, one scale per row and 128 columns
-// (quantize_block.cuh): each row's amax is kept while the chunks are computed; after each odd chunk,
-// the block of it and the chunk before is read back from their stages (each warp its own rows, so
-// only a bf16 dz store has to leave the first stage before), so no pass of its own reads dz again.
-// Its bf16 dz is stored only when asked for.
+// Block FP8 stores dz in e4m3 twice and hp once, after each odd chunk, from the 128-column block of
+// it and the chunk before as staged in bf16 (quantize_block.cuh), so no pass of its own reads them:
+//   dz for dz·w13 (dx), one scale per row and 128 columns: each row's amax is kept while the chunks
+//   are computed, and each warp quantises its own rows;
+//   dz transposed for dW13 = dzᵀ·x, one scale per column and 128 rows (the pool block), and hp
+//   transposed for dW2 = dyᵀ·hp, one scale per 128 x 128 block: each thread takes a column pair of
+//   its warpgroup's rows, and the two warpgroups meet at a named barrier to exchange their amaxes
+//   (hp's kept from the values computed); the e4m3 columns go straight to global memory.
+// Its bf16 dz and hp are stored only when asked for.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,10 +49,15 @@ struct GatedBackwardParams {
   CUtensorMap dz;     // [max_blocks * 128, 2I] as its two halves (tensor_map.h), 16-row x 64-column boxes
   bool store_dz;      // false in block FP8 without a bf16 dz
   CUtensorMap hp;     // [max_blocks * 128, I], 16-row x 64-column boxes
+  bool store_hp;      // false in block FP8 without a bf16 hp
   CUtensorMap z;      // [T·K, 2I] as its two halves, 128 x 64 boxes (read through the ring)
   CompactRows z_rows;  // where a pool block's rows are in z
   CUtensorMap dz_q;   // block FP8: [max_blocks * 128, 2I] e4m3, 16-row x 128-byte boxes
   float* dz_scales;   // block FP8: [2I / 128, max_blocks * 128]
+  uint8_t* dz_t;      // block FP8: [2I, max_blocks * 128] e4m3, dz transposed
+  float* dz_t_scales;  // block FP8: [max_blocks, 2I]
+  uint8_t* hp_t;      // block FP8: [I, max_blocks * 128] e4m3, hp transposed
+  float* hp_t_scales;  // block FP8: [I / 128, max_blocks]
   const float* p;     // [max_blocks * 128]
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
   int intermediate;
@@ -76,18 +85,28 @@ struct GatedBackwardEpilogue {
     const void* z;           // [T·K, 2I] bf16: the forward's gate | up, compact
     const float* p;          // [pool rows]
     void* dz;                // [pool rows, 2I] bf16 (block FP8: optional)
-    void* hp;                // [pool rows, I] bf16
+    void* hp;                // [pool rows, I] bf16 (block FP8: optional)
     float* dp_partial;       // [pool rows, MEGAMOE_DP_PARTIAL_COLS(I)]
     void* dz_q;              // block FP8: [pool rows, 2I] e4m3
     float* dz_scales;        // block FP8: [2I / 128, pool rows]
+    void* dz_t;              // block FP8: [2I, pool rows] e4m3
+    float* dz_t_scales;      // block FP8: [pool rows / 128, 2I]
+    void* hp_t;              // block FP8: [I, pool rows] e4m3
+    float* hp_t_scales;      // block FP8: [I / 128, pool rows / 128]
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
     MEGAMOE_RETURN_IF_ERROR(
-        check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.hp, "hp"}, {args.dp_partial, "dp_partial"}}));
+        check_pointers(p.fn, {{args.z, "z"}, {args.p, "p_pool"}, {args.dp_partial, "dp_partial"}}));
     if (!kQuantizeDz || args.dz != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz, "dz"}}));
+    if (!kQuantizeDz || args.hp != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.hp, "hp"}}));
     if constexpr (kQuantizeDz) {
-      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz_q, "dz_q"}, {args.dz_scales, "dz_scales"}}));
+      MEGAMOE_RETURN_IF_ERROR(check_pointers(p.fn, {{args.dz_q, "dz_q"},
+                                                    {args.dz_scales, "dz_scales"},
+                                                    {args.dz_t, "dz_t"},
+                                                    {args.dz_t_scales, "dz_t_scales"},
+                                                    {args.hp_t, "hp_t"},
+                                                    {args.hp_t_scales, "hp_t_scales"}}));
     }
     return CompactRows::check(p.fn, *p.plan);
   }
@@ -97,7 +116,8 @@ struct GatedBackwardEpilogue {
     if (params->store_dz) {
       MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpRows, p.fn, "dz"));
     }
-    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpRows, p.fn, "hp"));
+    params->store_hp = args.hp != nullptr;
+    if (params->store_hp) MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpRows, p.fn, "hp"));
     const uint64_t z_rows = CompactRows::rows(*p.plan);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, z_rows, i, kBlockM, p.fn, "z"));
     params->z_rows = CompactRows::of(*p.plan);
@@ -107,6 +127,10 @@ struct GatedBackwardEpilogue {
     params->pool_rows = int(p.rows);
     if constexpr (kQuantizeDz) {
       params->dz_scales = args.dz_scales;
+      params->dz_t = static_cast<uint8_t*>(args.dz_t);
+      params->dz_t_scales = args.dz_t_scales;
+      params->hp_t = static_cast<uint8_t*>(args.hp_t);
+      params->hp_t_scales = args.hp_t_scales;
       return make_fp8_tensor_map(&params->dz_q, args.dz_q, p.rows, 2 * i, kWarpRows, p.fn, "dz_q");
     }
     return MEGAMOE_OK;
@@ -120,7 +144,7 @@ struct GatedBackwardEpilogue {
 
   __device__ static void prefetch(const Params& p) {
     if (p.store_dz) cute::prefetch_tma_descriptor(&p.dz);
-    cute::prefetch_tma_descriptor(&p.hp);
+    if (p.store_hp) cute::prefetch_tma_descriptor(&p.hp);
     cute::prefetch_tma_descriptor(&p.z);
     if constexpr (kQuantizeDz) cute::prefetch_tma_descriptor(&p.dz_q);
   }
@@ -164,7 +188,7 @@ struct GatedBackwardEpilogue {
     const int first_stage = state.stage;  // the tile's chunks come through consecutive stages
     const auto stage_of = [&](int c) { return (first_stage + c) % Stages; };
     float dp[2] = {0.f, 0.f};
-    RowAmax dg_amax, du_amax;  // block FP8: over the current 128-column block
+    RowAmax dg_amax, du_amax, hp_amax;  // block FP8: over the current 128-column block
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       Barrier::wait(smem.full(state.stage), state.phase);
@@ -210,6 +234,7 @@ struct GatedBackwardEpilogue {
             if constexpr (kQuantizeDz) {  // a dead row's amax is dropped in store_dz_fp8
               dg_amax.add(h, out_dg[i]);
               du_amax.add(h, out_du[i]);
+              hp_amax.add(h, out_hp[i]);
             }
           }
           const uint32_t keep = rows.live(h) ? ~0u : 0u;  // a dead row's values are zeroed as packed pairs
@@ -231,15 +256,17 @@ struct GatedBackwardEpilogue {
           InHalf{0}.store(&p.dz, g_dg + box, col, row0);
           InHalf{1}.store(&p.dz, u_du + box, col, row0);
         }
-        cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk + box, col, row0);
+        if (p.store_hp) cute::SM90_TMA_STORE_2D::copy(&p.hp, hp_chunk + box, col, row0);
         cute::tma_store_arrive();  // one bulk group per chunk
       }
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
       if constexpr (kQuantizeDz) {
         if (c % 2 == 1) {
+          store_columns_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, c / 2, col - kEpiCols,
+                            live_amax(hp_amax, rows));
           store_dz_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, col - kEpiCols, live_amax(dg_amax, rows),
                        live_amax(du_amax, rows));
-          dg_amax = du_amax = RowAmax{};
+          dg_amax = du_amax = hp_amax = RowAmax{};
         }
       }
     }
@@ -291,6 +318,59 @@ struct GatedBackwardEpilogue {
       u_column[row] = u_scales.x;
       u_column[row + 8] = u_scales.y;
     }
+  }
+
+  // Block FP8: the 128-column block from col0 (block `block` of the tile) transposed: dz (dg in the
+  // chunk stages' A slots, du in their B slots) quantised along its 128 rows, hp (the chunk buffers)
+  // in one 128 x 128 block. Thread t of a warpgroup takes column pair t % 64 of dg (t < 64) or du for
+  // the warpgroup's 64 rows, and of hp for 32 of them. The warpgroups exchange dz's amaxes through
+  // the two stages' A-scale slots, which a z chunk's stage does not use, and each warp's hp amax
+  // (hp_part: the thread's, over its live rows) through the exchange words.
+  template <class Smem>
+  __device__ static void store_columns_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
+                                           const PoolTile& t, int block, int col0, RowAmax hp_part) {
+    constexpr int kMathBarrier = 1, kWarpgroupBarrier = 2;  // named barriers: both warpgroups, one (+ warpgroup)
+    const int thread = int(threadIdx.x % 128);
+    const int half = thread / 64, pair = thread % 64;  // half: dg or du; hp's rows [32 half, +32)
+    const bool first_chunk = pair < kEpiCols / 2;
+    const int word = pair % (kEpiCols / 2), stage = first_chunk ? first : second;
+    const StagedColumnPair dz_columns(
+        (half ? smem.b(stage) : smem.a(stage)) + warpgroup * kWarpgroupRows * kSwizzleBytes, word);
+    const StagedColumnPair hp_columns(smem.epi(warpgroup, first_chunk ? 0 : 1), word);
+    // Two sets of exchange words, one per block of a 256-wide tile; with one block per tile, a barrier
+    // first, so every warp has read the last tile's.
+    if constexpr (kChunks == 2) sync_threads(kMathBarrier, 256);
+    const uint32_t hp_words = cute::cast_smem_ptr_to_uint(smem.exchange() + block % 2 * kMathWarps);
+    const float hp_amax = fp8::lanes_max_nan<32>(fp8::max_nan(hp_part.amax[0], hp_part.amax[1]));
+    const auto dz_slot = [&](int wg) {
+      return cute::cast_smem_ptr_to_uint(smem.a_scales(wg == 0 ? first : second)) + thread * 4;
+    };
+    sync_threads(kWarpgroupBarrier + warpgroup, 128);  // every warp of the warpgroup has staged its rows
+    const uint32_t dz_amax = dz_columns.amax();
+    store_shared_u32(dz_slot(warpgroup), dz_amax);
+    if (threadIdx.x % 32 == 0) store_shared_u32(hp_words + (warpgroup * 4 + thread / 32) * 4, __float_as_uint(hp_amax));
+    sync_threads(kMathBarrier, 256);
+    const float2 column_amax =
+        fp8::abs_halves(fp8::abs_max_nan_bf16x2(dz_amax, load_shared_u32(dz_slot(1 - warpgroup))));
+    const float2 dz_scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
+    float hp_block_amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMathWarps; ++w) hp_block_amax = fp8::max_nan(hp_block_amax, __uint_as_float(load_shared_u32(hp_words + w * 4)));
+    const float hp_scale = fp8::block_scale(__bfloat162float(__float2bfloat16_rn(hp_block_amax)));  // of the bf16 values
+    const int64_t row0 = int64_t(t.block) * kBlockM + warpgroup * kWarpgroupRows;
+    const int dz_column = half * p.intermediate + col0 + 2 * pair;
+    uint8_t* dz_out = p.dz_t + int64_t(dz_column) * p.pool_rows + row0;
+    dz_columns.store_e4m3(fp8::inverse(dz_scale.x), fp8::inverse(dz_scale.y), reinterpret_cast<uint4*>(dz_out),
+                          reinterpret_cast<uint4*>(dz_out + p.pool_rows));
+    uint8_t* hp_out = p.hp_t + int64_t(col0 + 2 * pair) * p.pool_rows + row0 + half * 32;
+    const float hp_inverse = fp8::inverse(hp_scale);
+    hp_columns.store_e4m3(hp_inverse, hp_inverse, reinterpret_cast<uint4*>(hp_out),
+                          reinterpret_cast<uint4*>(hp_out + p.pool_rows), 2 * half, 2);
+    if (warpgroup == 0) {
+      *reinterpret_cast<float2*>(p.dz_t_scales + int64_t(t.block) * 2 * p.intermediate + dz_column) = dz_scale;
+      if (thread == 0) p.hp_t_scales[int64_t(col0 / 128) * (p.pool_rows / kBlockM) + t.block] = hp_scale;
+    }
+    sync_threads(kWarpgroupBarrier + warpgroup, 128);  // ... and read them, before e4m3 rows replace them
   }
 
   // The 4 lanes of a row hold disjoint columns: add them in a fixed order; then start the next partial.

@@ -65,4 +65,58 @@ __device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* s
   return make_float2(scale[0], scale[1]);
 }
 
+// The same block quantised along its columns instead, stored transposed (megamoe_transpose_quantize_fp8's
+// blocks: 1 x 128 along the rows, one scale per column over the block's 128 rows, both math
+// warpgroups' 64; or one per 128 x 128 block). A thread takes one bf16 column pair (word `word` of a
+// 128-byte staged row) of 16-row groups of its warpgroup's 64 rows: a warp reads one whole row per
+// load, so the loads meet no bank conflict.
+struct StagedColumnPair {
+  static constexpr int kGroups = kWarpgroupRows / 16;
+  uint32_t row_address[8];  // shared address of the pair in rows 0..7; rows 8 apart share the swizzle
+
+  __device__ StagedColumnPair(const uint8_t* chunk_rows, int word) {
+    const uint32_t base = cute::cast_smem_ptr_to_uint(chunk_rows);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) row_address[r] = base + r * kSwizzleBytes + (((word / 4) ^ r) * 16) + (word % 4) * 4;
+  }
+  __device__ uint32_t at(int group, int r) const {  // row 16 group + r, r < 16 a constant after unrolling
+    return load_shared_u32(row_address[r % 8] + group * 16 * kSwizzleBytes + (r / 8) * 8 * kSwizzleBytes);
+  }
+
+  // Both columns' amax over the 64 rows as a bf16 pair (fp8::abs_halves reads it).
+  __device__ uint32_t amax() const {
+    uint32_t amax[2] = {0u, 0u};  // two chains, rows r and r + 8
+#pragma unroll 1
+    for (int group = 0; group < kGroups; ++group) {
+#pragma unroll
+      for (int r = 0; r < 16; ++r) amax[r / 8] = fp8::abs_max_nan_bf16x2(amax[r / 8], at(group, r));
+    }
+    return fp8::abs_max_nan_bf16x2(amax[0], amax[1]);
+  }
+
+  // Rows [16 first, 16 (first + groups)) of each column in e4m3, rows in order: 16 bytes per group
+  // from column0 and from column1.
+  __device__ void store_e4m3(float inverse_lo, float inverse_hi, uint4* column0, uint4* column1, int first = 0,
+                             int groups = kGroups) const {
+#pragma unroll 1
+    for (int group = first; group < first + groups; ++group) {
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float a[4], b[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t v = at(group, 4 * w + r);
+          a[r] = __uint_as_float(v << 16);
+          b[r] = __uint_as_float(v & 0xffff0000u);
+        }
+        lo[w] = fp8::to_e4m3x4(a[0], a[1], a[2], a[3], inverse_lo);
+        hi[w] = fp8::to_e4m3x4(b[0], b[1], b[2], b[3], inverse_hi);
+      }
+      column0[group - first] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      column1[group - first] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
+  }
+};
+
 }  // namespace megamoe::grouped_gemm
