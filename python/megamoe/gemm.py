@@ -197,11 +197,14 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
     dz_rows = e4m3(rows, 2 * inter), scales(2 * inter // 128, rows)
     dz_t = e4m3(2 * inter, rows), scales(rows // 128, 2 * inter)
     hp_t = e4m3(inter, rows), scales(inter // 128, rows // 128)
-    pointer = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+
+    def pointer(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
                                         w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), pointer(dz),
-                                        pointer(hp), dp_partial.data_ptr(), *(pointer(t) for t in dz_rows),
-                                        *(pointer(t) for t in dz_t), *(pointer(t) for t in hp_t), inter, hidden, act)
+                                        pointer(hp), dp_partial.data_ptr(),
+                                        *(t.data_ptr() for t in (*dz_rows, *dz_t, *hp_t)), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return Fp8DhOutputs(dz_rows, dz_t, hp_t, dp_partial, dz, hp)

@@ -53,9 +53,9 @@ constexpr int kMaxStages = 8;
 // Two words per math warp, for an epilogue's reductions over the whole tile (epilogue_gated_backward.cuh).
 constexpr int kExchangeBytes = 2 * kMathWarps * 4;
 
-// Shared memory of S stages, the epilogue buffers, 2 mbarriers per stage and the exchange words (the kernel declares its
-// dynamic shared memory 1024-aligned, as the swizzled tiles need, so no slack is reserved: at the
-// 256-wide block-FP8 tile 1 KB of slack would cost a fourth stage).
+// Shared memory of S stages, the epilogue buffers, 2 mbarriers per stage and the exchange words (the
+// kernel declares its dynamic shared memory 1024-aligned, as the swizzled tiles need, so no slack is
+// reserved: at the 256-wide block-FP8 tile 1 KB of slack would cost a fourth stage).
 constexpr int shared_bytes(int stages, int stage_bytes, int epi_bytes) {
   return stages * (stage_bytes + 16) + epi_bytes + kExchangeBytes;
 }

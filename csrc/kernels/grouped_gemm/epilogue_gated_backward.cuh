@@ -117,7 +117,9 @@ struct GatedBackwardEpilogue {
       MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->dz, args.dz, p.rows, i, kWarpRows, p.fn, "dz"));
     }
     params->store_hp = args.hp != nullptr;
-    if (params->store_hp) MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpRows, p.fn, "hp"));
+    if (params->store_hp) {
+      MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->hp, args.hp, p.rows, i, kWarpRows, p.fn, "hp"));
+    }
     const uint64_t z_rows = CompactRows::rows(*p.plan);
     MEGAMOE_RETURN_IF_ERROR(make_halves_tensor_map(&params->z, args.z, z_rows, i, kBlockM, p.fn, "z"));
     params->z_rows = CompactRows::of(*p.plan);
@@ -355,8 +357,11 @@ struct GatedBackwardEpilogue {
     const float2 dz_scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
     float hp_block_amax = 0.f;
 #pragma unroll
-    for (int w = 0; w < kMathWarps; ++w) hp_block_amax = fp8::max_nan(hp_block_amax, __uint_as_float(load_shared_u32(hp_words + w * 4)));
-    const float hp_scale = fp8::block_scale(__bfloat162float(__float2bfloat16_rn(hp_block_amax)));  // of the bf16 values
+    for (int w = 0; w < kMathWarps; ++w) {
+      hp_block_amax = fp8::max_nan(hp_block_amax, __uint_as_float(load_shared_u32(hp_words + w * 4)));
+    }
+    // The amax of the bf16 values: rounding is monotonic (quantize_block.cuh).
+    const float hp_scale = fp8::block_scale(__bfloat162float(__float2bfloat16_rn(hp_block_amax)));
     const int64_t row0 = int64_t(t.block) * kBlockM + warpgroup * kWarpgroupRows;
     const int dz_column = half * p.intermediate + col0 + 2 * pair;
     uint8_t* dz_out = p.dz_t + int64_t(dz_column) * p.pool_rows + row0;

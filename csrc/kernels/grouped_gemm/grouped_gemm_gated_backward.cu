@@ -14,9 +14,10 @@ namespace {
 template <class Epi>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
-  return run_pool_gemm<Epi>(p, operands, {args.z, args.p_pool, args.dz, args.hp, args.dp_partial, nullptr, nullptr, nullptr, nullptr,
-                                                   nullptr, nullptr},
-                            stream);
+  // The block-FP8 outputs (dz_q, dz_scales, dz_t, dz_t_scales, hp_t, hp_t_scales) stay null.
+  const typename Epi::Arguments arguments{args.z, args.p_pool, args.dz, args.hp, args.dp_partial,
+                                          nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return run_pool_gemm<Epi>(p, operands, arguments, stream);
 }
 
 }  // namespace
@@ -49,7 +50,8 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
       return run_pool_gemm_fp8<Epi>(
-          p, operands, {args->z, args->p_pool, args->dz, args->hp, args->dp_partial, args->dz_q, args->dz_scales, args->dz_t,
+          p, operands,
+          {args->z, args->p_pool, args->dz, args->hp, args->dp_partial, args->dz_q, args->dz_scales, args->dz_t,
            args->dz_t_scales, args->hp_t, args->hp_t_scales},
           scales, stream);
     };
