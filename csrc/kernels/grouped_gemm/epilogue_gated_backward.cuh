@@ -27,9 +27,10 @@
 //   dz for dz·w13 (dx), one scale per row and 128 columns: each row's amax is kept while the chunks
 //   are computed, and each warp quantises its own rows;
 //   dz transposed for dW13 = dzᵀ·x, one scale per column and 128 rows (the pool block), and hp
-//   transposed for dW2 = dyᵀ·hp, one scale per 128 x 128 block: each thread takes a column pair of
-//   its warpgroup's rows, and the two warpgroups meet at a named barrier to exchange their amaxes
-//   (hp's kept from the values computed); the e4m3 columns go straight to global memory.
+//   transposed for dW2 = dyᵀ·hp, one scale per 128 x 128 block: the 4 lanes of a quad take a column
+//   pair of their warpgroup's 64 rows, and the two warpgroups meet at a named barrier to exchange
+//   their amaxes (hp's kept from the values computed); the e4m3 columns go straight to global
+//   memory, 64 contiguous bytes per column and quad.
 // Its bf16 dz and hp are stored only when asked for.
 #pragma once
 
@@ -324,37 +325,38 @@ struct GatedBackwardEpilogue {
 
   // Block FP8: the 128-column block from col0 (block `block` of the tile) transposed: dz (dg in the
   // chunk stages' A slots, du in their B slots) quantised along its 128 rows, hp (the chunk buffers)
-  // in one 128 x 128 block. Thread t of a warpgroup takes column pair t % 64 of dg (t < 64) or du for
-  // the warpgroup's 64 rows, and of hp for 32 of them. The warpgroups exchange dz's amaxes through
-  // the two stages' A-scale slots, which a z chunk's stage does not use, and each warp's hp amax
-  // (hp_part: the thread's, over its live rows) through the exchange words.
+  // in one 128 x 128 block. A warpgroup's 64 rows hold 128 column pairs of dz and 64 of hp, taken 8
+  // at a time (a word block) by a warp (StagedColumnGroup): dz's word block b is half b / 8 (dg or
+  // du) of chunk (b / 4) % 2, hp's chunk b / 4. The warpgroups exchange dz's amaxes through the two
+  // stages' A-scale slots, which a z chunk's stage does not use, and each warp's hp amax (hp_part:
+  // the thread's, over its live rows) through the exchange words.
   template <class Smem>
   __device__ static void store_columns_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
                                            const PoolTile& t, int block, int col0, RowAmax hp_part) {
     constexpr int kMathBarrier = 1, kWarpgroupBarrier = 2;  // named barriers: both warpgroups, one (+ warpgroup)
-    const int thread = int(threadIdx.x % 128);
-    const int half = thread / 64, pair = thread % 64;  // half: dg or du; hp's rows [32 half, +32)
-    const bool first_chunk = pair < kEpiCols / 2;
-    const int word = pair % (kEpiCols / 2), stage = first_chunk ? first : second;
-    const StagedColumnPair dz_columns(
-        (half ? smem.b(stage) : smem.a(stage)) + warpgroup * kWarpgroupRows * kSwizzleBytes, word);
-    const StagedColumnPair hp_columns(smem.epi(warpgroup, first_chunk ? 0 : 1), word);
+    constexpr int kDzBlocks = 16, kHpBlocks = 8, kWordsPerChunkRow = kEpiCols / 2;
+    const int warp = int(threadIdx.x / 32) % 4, lane = int(threadIdx.x % 32);
+    const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;
+    const auto dz_columns = [&](int b) {
+      const int stage = (b / 4) % 2 ? second : first;
+      return StagedColumnGroup((b / 8 ? smem.b(stage) : smem.a(stage)) + rows_offset, b % 4 * 8);
+    };
+    const auto dz_slot = [&](int wg, int b) {  // the amax of the lane's column pair in word block b
+      return cute::cast_smem_ptr_to_uint(smem.a_scales(wg == 0 ? first : second)) + (8 * b + lane / 4) * 4;
+    };
     // Two sets of exchange words, one per block of a 256-wide tile; with one block per tile, a barrier
     // first, so every warp has read the last tile's.
     if constexpr (kChunks == 2) sync_threads(kMathBarrier, 256);
     const uint32_t hp_words = cute::cast_smem_ptr_to_uint(smem.exchange() + block % 2 * kMathWarps);
     const float hp_amax = fp8::lanes_max_nan<32>(fp8::max_nan(hp_part.amax[0], hp_part.amax[1]));
-    const auto dz_slot = [&](int wg) {
-      return cute::cast_smem_ptr_to_uint(smem.a_scales(wg == 0 ? first : second)) + thread * 4;
-    };
     sync_threads(kWarpgroupBarrier + warpgroup, 128);  // every warp of the warpgroup has staged its rows
-    const uint32_t dz_amax = dz_columns.amax();
-    store_shared_u32(dz_slot(warpgroup), dz_amax);
-    if (threadIdx.x % 32 == 0) store_shared_u32(hp_words + (warpgroup * 4 + thread / 32) * 4, __float_as_uint(hp_amax));
+#pragma unroll 1
+    for (int b = warp * (kDzBlocks / 4); b < (warp + 1) * (kDzBlocks / 4); ++b) {
+      const uint32_t amax = dz_columns(b).amax();
+      if (lane % 4 == 0) store_shared_u32(dz_slot(warpgroup, b), amax);
+    }
+    if (lane == 0) store_shared_u32(hp_words + (warpgroup * 4 + warp) * 4, __float_as_uint(hp_amax));
     sync_threads(kMathBarrier, 256);
-    const float2 column_amax =
-        fp8::abs_halves(fp8::abs_max_nan_bf16x2(dz_amax, load_shared_u32(dz_slot(1 - warpgroup))));
-    const float2 dz_scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
     float hp_block_amax = 0.f;
 #pragma unroll
     for (int w = 0; w < kMathWarps; ++w) {
@@ -363,17 +365,29 @@ struct GatedBackwardEpilogue {
     // The amax of the bf16 values: rounding is monotonic (quantize_block.cuh).
     const float hp_scale = fp8::block_scale(__bfloat162float(__float2bfloat16_rn(hp_block_amax)));
     const int64_t row0 = int64_t(t.block) * kBlockM + warpgroup * kWarpgroupRows;
-    const int dz_column = half * p.intermediate + col0 + 2 * pair;
-    uint8_t* dz_out = p.dz_t + int64_t(dz_column) * p.pool_rows + row0;
-    dz_columns.store_e4m3(fp8::inverse(dz_scale.x), fp8::inverse(dz_scale.y), reinterpret_cast<uint4*>(dz_out),
-                          reinterpret_cast<uint4*>(dz_out + p.pool_rows));
-    uint8_t* hp_out = p.hp_t + int64_t(col0 + 2 * pair) * p.pool_rows + row0 + half * 32;
+#pragma unroll 1
+    for (int b = warp * (kDzBlocks / 4); b < (warp + 1) * (kDzBlocks / 4); ++b) {
+      const float2 column_amax = fp8::abs_halves(
+          fp8::abs_max_nan_bf16x2(load_shared_u32(dz_slot(0, b)), load_shared_u32(dz_slot(1, b))));
+      const float2 dz_scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
+      const int pair = (b / 4) % 2 * kWordsPerChunkRow + b % 4 * 8 + lane / 4;
+      const int dz_column = b / 8 * p.intermediate + col0 + 2 * pair;
+      uint8_t* dz_out = p.dz_t + int64_t(dz_column) * p.pool_rows + row0;
+      dz_columns(b).store_e4m3(fp8::inverse(dz_scale.x), fp8::inverse(dz_scale.y), dz_out, dz_out + p.pool_rows);
+      if (warpgroup == 0 && lane % 4 == 0) {
+        *reinterpret_cast<float2*>(p.dz_t_scales + int64_t(t.block) * 2 * p.intermediate + dz_column) = dz_scale;
+      }
+    }
     const float hp_inverse = fp8::inverse(hp_scale);
-    hp_columns.store_e4m3(hp_inverse, hp_inverse, reinterpret_cast<uint4*>(hp_out),
-                          reinterpret_cast<uint4*>(hp_out + p.pool_rows), 2 * half, 2);
-    if (warpgroup == 0) {
-      *reinterpret_cast<float2*>(p.dz_t_scales + int64_t(t.block) * 2 * p.intermediate + dz_column) = dz_scale;
-      if (thread == 0) p.hp_t_scales[int64_t(col0 / 128) * (p.pool_rows / kBlockM) + t.block] = hp_scale;
+#pragma unroll 1
+    for (int b = warp * (kHpBlocks / 4); b < (warp + 1) * (kHpBlocks / 4); ++b) {
+      const int pair = b / 4 * kWordsPerChunkRow + b % 4 * 8 + lane / 4;
+      uint8_t* hp_out = p.hp_t + int64_t(col0 + 2 * pair) * p.pool_rows + row0;
+      StagedColumnGroup(smem.epi(warpgroup, b / 4), b % 4 * 8)
+          .store_e4m3(hp_inverse, hp_inverse, hp_out, hp_out + p.pool_rows);
+    }
+    if (warpgroup == 0 && warp == 0 && lane == 0) {
+      p.hp_t_scales[int64_t(col0 / 128) * (p.pool_rows / kBlockM) + t.block] = hp_scale;
     }
     sync_threads(kWarpgroupBarrier + warpgroup, 128);  // ... and read them, before e4m3 rows replace them
   }

@@ -67,55 +67,71 @@ __device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* s
 
 // The same block quantised along its columns instead, stored transposed (megamoe_transpose_quantize_fp8's
 // blocks: 1 x 128 along the rows, one scale per column over the block's 128 rows, both math
-// warpgroups' 64; or one per 128 x 128 block). A thread takes one bf16 column pair (word `word` of a
-// 128-byte staged row) of 16-row groups of its warpgroup's 64 rows: a warp reads one whole row per
-// load, so the loads meet no bank conflict.
-struct StagedColumnPair {
-  static constexpr int kGroups = kWarpgroupRows / 16;
-  uint32_t row_address[8];  // shared address of the pair in rows 0..7; rows 8 apart share the swizzle
+// warpgroups' 64; or one per 128 x 128 block). A warp takes 8 bf16 column pairs (words [word0,
+// word0 + 8) of a 128-byte staged row) of its warpgroup's 64 rows: lane l the pair word0 + l / 4 in
+// the 16-row group l % 4, so the 4 lanes of a quad hold a column's 64 rows and store them as 64
+// contiguous bytes (a warp's 16-byte stores touch 8 lines, not 32). Lane l reads the rows of its
+// group in the order r ^ 2 (l % 4): the swizzle XORs a row's 16-byte chunks with row % 8, so the
+// warp's 32 loads of a step fall in 32 banks. The e4m3 bytes are put back in row order to be stored.
+struct StagedColumnGroup {
+  uint32_t row_address[8];  // step r < 8 reads row r ^ order of the group; step r + 8 the row 8 below
+  uint32_t order;           // 2 (lane % 4)
 
-  __device__ StagedColumnPair(const uint8_t* chunk_rows, int word) {
-    const uint32_t base = cute::cast_smem_ptr_to_uint(chunk_rows);
+  __device__ StagedColumnGroup(const uint8_t* chunk_rows, int word0) {
+    const int lane = int(threadIdx.x % 32), group = lane % 4, word = word0 + lane / 4;
+    order = 2 * group;
+    const uint32_t base = cute::cast_smem_ptr_to_uint(chunk_rows) + group * 16 * kSwizzleBytes + (word % 4) * 4;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) row_address[r] = base + r * kSwizzleBytes + (((word / 4) ^ r) * 16) + (word % 4) * 4;
+    for (int r = 0; r < 8; ++r) {
+      const uint32_t row = r ^ order;
+      row_address[r] = base + row * kSwizzleBytes + (((word / 4) ^ row) * 16);
+    }
   }
-  __device__ uint32_t at(int group, int r) const {  // row 16 group + r, r < 16 a constant after unrolling
-    return load_shared_u32(row_address[r % 8] + group * 16 * kSwizzleBytes + (r / 8) * 8 * kSwizzleBytes);
+  __device__ uint32_t at(int step) const {  // step < 16 a constant after unrolling
+    return load_shared_u32(row_address[step % 8] + (step / 8) * 8 * kSwizzleBytes);
   }
 
-  // Both columns' amax over the 64 rows as a bf16 pair (fp8::abs_halves reads it).
+  // Both columns' amax over the 64 rows as a bf16 pair (fp8::abs_halves reads it); every lane of the
+  // quad gets it. Every lane of the warp calls it.
   __device__ uint32_t amax() const {
-    uint32_t amax[2] = {0u, 0u};  // two chains, rows r and r + 8
-#pragma unroll 1
-    for (int group = 0; group < kGroups; ++group) {
+    uint32_t amax[2] = {0u, 0u};  // two chains
 #pragma unroll
-      for (int r = 0; r < 16; ++r) amax[r / 8] = fp8::abs_max_nan_bf16x2(amax[r / 8], at(group, r));
+    for (int step = 0; step < 16; ++step) amax[step % 2] = fp8::abs_max_nan_bf16x2(amax[step % 2], at(step));
+    uint32_t quad = fp8::abs_max_nan_bf16x2(amax[0], amax[1]);
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2) {
+      quad = fp8::abs_max_nan_bf16x2(quad, __shfl_xor_sync(0xffffffffu, quad, offset));
     }
-    return fp8::abs_max_nan_bf16x2(amax[0], amax[1]);
+    return quad;
   }
 
-  // Rows [16 first, 16 (first + groups)) of each column in e4m3, rows in order: 16 bytes per group
-  // from column0 and from column1.
-  __device__ void store_e4m3(float inverse_lo, float inverse_hi, uint4* column0, uint4* column1, int first = 0,
-                             int groups = kGroups) const {
-#pragma unroll 1
-    for (int group = first; group < first + groups; ++group) {
-      uint32_t lo[4], hi[4];
+  // The group's 16 rows of each column in e4m3, in row order, to column0 and column1 (the columns'
+  // first row of the warpgroup's 64).
+  __device__ void store_e4m3(float inverse_lo, float inverse_hi, uint8_t* column0, uint8_t* column1) const {
+    uint32_t lo[4], hi[4];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        float a[4], b[4];
+    for (int w = 0; w < 4; ++w) {
+      float a[4], b[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t v = at(group, 4 * w + r);
-          a[r] = __uint_as_float(v << 16);
-          b[r] = __uint_as_float(v & 0xffff0000u);
-        }
-        lo[w] = fp8::to_e4m3x4(a[0], a[1], a[2], a[3], inverse_lo);
-        hi[w] = fp8::to_e4m3x4(b[0], b[1], b[2], b[3], inverse_hi);
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t v = at(4 * w + r);
+        a[r] = __uint_as_float(v << 16);
+        b[r] = __uint_as_float(v & 0xffff0000u);
       }
-      column0[group - first] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-      column1[group - first] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      lo[w] = fp8::to_e4m3x4(a[0], a[1], a[2], a[3], inverse_lo);
+      hi[w] = fp8::to_e4m3x4(b[0], b[1], b[2], b[3], inverse_hi);
     }
+    const int offset = int(order) * 8;  // 16 group bytes
+    *reinterpret_cast<uint4*>(column0 + offset) = in_row_order(lo);
+    *reinterpret_cast<uint4*>(column1 + offset) = in_row_order(hi);
+  }
+
+  // Byte p of the result is byte p ^ order of v (step p ^ order held row p).
+  __device__ uint4 in_row_order(uint32_t (&v)[4]) const {
+    const uint32_t halves = (order & 2) ? 0x1032u : 0x3210u;  // p ^ 2: the two 16-bit halves of a word
+#pragma unroll
+    for (int w = 0; w < 4; ++w) v[w] = __byte_perm(v[w], 0, halves);
+    return (order & 4) ? make_uint4(v[1], v[0], v[3], v[2]) : make_uint4(v[0], v[1], v[2], v[3]);  // p ^ 4
   }
 };
 
