@@ -61,14 +61,15 @@ def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:
     return token_scales_pool[:, :hidden // fp8.BLOCK].t().contiguous()
 
 
-def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(plan: RoutingPlan, routed: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """y [T, H] = Σ_k weights[t, k] · routed[t K + k] over the plan's routed (t, k) (masked routes
-    add nothing), routed [T K, H] in (token, k) order, summed in a fixed order."""
+    add nothing; weights None: every weight 1), routed [T K, H] in (token, k) order, summed in a
+    fixed order."""
     num_tokens, hidden = plan.shape.num_tokens, routed.shape[1]
     y = routed.new_empty(num_tokens, hidden)
-    weights = weights.to(torch.float32).contiguous()
+    weights = None if weights is None else weights.to(torch.float32).contiguous()
     _native.call("megamoe_combine_bf16", "combine", plan.native(),
-                 _native.CombineArgs(routed.data_ptr(), weights.data_ptr(), y.data_ptr(), hidden),
+                 _native.CombineArgs(routed.data_ptr(), _native.address(weights), y.data_ptr(), hidden),
                  _native.stream(routed.device))
     return y
 
@@ -98,14 +99,15 @@ def pull_rows(plan: RoutingPlan, rows_table, route_offsets, like: torch.Tensor, 
     return pool if weights_table is None else (pool, weights_pool)
 
 
-def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor, route_offset: int,
-                        like: torch.Tensor) -> torch.Tensor:
-    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool), summed as
-    the single-rank combine sums; route_offset: this rank's first route in the owners' plans."""
+def combine_from_owners(out_table, route_to_slot_table, world: int, weights: torch.Tensor | None, route_offset: int,
+                        like: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, H] like `like` = Σ_k weights[t, k] · (route (t, k)'s row in its owner's out pool) (weights
+    None: every weight 1), summed as the single-rank combine sums; route_offset: this rank's first
+    route in the owners' plans."""
     y = torch.empty_like(like)
-    weights = weights.to(torch.float32).contiguous()
+    weights = None if weights is None else weights.to(torch.float32).contiguous()
     args = _native.CombinePeersArgs(ctypes.cast(out_table, ctypes.c_void_p),
-                                    ctypes.cast(route_to_slot_table, ctypes.c_void_p), weights.data_ptr(),
-                                    y.data_ptr(), route_offset, y.shape[0], weights.shape[1], world, y.shape[1])
+                                    ctypes.cast(route_to_slot_table, ctypes.c_void_p), _native.address(weights),
+                                    y.data_ptr(), route_offset, y.shape[0], top_k, world, y.shape[1])
     _native.call("megamoe_combine_peers_bf16", "expert-parallel combine", args, _native.stream(like.device))
     return y

@@ -385,11 +385,12 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     return reduce_dp(dp_partial, plan)
 
 
-def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Barrier 2, then this rank's rows summed from their owners' shared out pools."""
+def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Barrier 2, then this rank's rows summed from their owners' shared out pools (weights None:
+    every weight 1)."""
     ws.barrier(2)
     return combine_from_owners(ws.table("out"), ws.table("route_to_slot"), ws.world, weights,
-                               meta.route_offsets[ws.rank], like)
+                               meta.route_offsets[ws.rank], like, meta.top_k)
 
 
 def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute):
@@ -446,7 +447,7 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights
         dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation,
         x_scales, dy_fp8, pools.get("x_rows")))
     del pools, x_pool, x_scales, dy_pool, dy_fp8, p_pool
-    dx = _combine(ws, meta, torch.ones_like(weights), dy)
+    dx = _combine(ws, meta, None, dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
     dps = torch.empty(ws.world, end - begin, dtype=torch.float32, device=dy.device)

@@ -207,7 +207,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             del dz_fp8
         else:
             grouped_gemm_scatter(dz, w13, plan, None, routed, b_is_k_by_n=True)
-        dx = combine(plan, routed, torch.ones(topk_ids.shape, dtype=torch.float32, device=x.device))
+        dx = combine(plan, routed, None)
         del routed
     if need_dw13:
         if main_grad13 is None:

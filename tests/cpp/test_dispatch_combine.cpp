@@ -144,17 +144,22 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   }
   auto* d_routed = to_device(routed);
   auto* d_y = to_device(std::vector<uint16_t>(p.tokens * hidden, kPoison));
-  const megamoe_combine_args combine{d_routed, d_weights, d_y, hidden};
-  ASSERT_EQ(megamoe_combine_bf16(&plan, &combine, nullptr), MEGAMOE_OK) << megamoe_last_error();
-  const auto y = to_host(d_y, p.tokens * hidden);
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    for (int c = 0; c < hidden; ++c) {
-      float acc = 0;
-      for (int k = 0; k < p.top_k; ++k) {
-        const int64_t r = t * p.top_k + k;
-        if (route_to_slot[r] >= 0) acc = std::fma(p.weights[r], bf16_to_float(routed[r * hidden + c]), acc);
+  // With the weights, then without (a gradient's sum over its routes: every weight 1): the host's
+  // sums in the same order with the same rounding.
+  for (const bool weighted : {true, false}) {
+    const megamoe_combine_args combine{d_routed, weighted ? d_weights : nullptr, d_y, hidden};
+    ASSERT_EQ(megamoe_combine_bf16(&plan, &combine, nullptr), MEGAMOE_OK) << megamoe_last_error();
+    const auto y = to_host(d_y, p.tokens * hidden);
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      for (int c = 0; c < hidden; ++c) {
+        float acc = 0;
+        for (int k = 0; k < p.top_k; ++k) {
+          const int64_t r = t * p.top_k + k;
+          const float w = weighted ? p.weights[r] : 1.f;
+          if (route_to_slot[r] >= 0) acc = std::fma(w, bf16_to_float(routed[r * hidden + c]), acc);
+        }
+        ASSERT_EQ(y[t * hidden + c], float_to_bf16(acc)) << "weighted " << weighted << " token " << t << " col " << c;
       }
-      ASSERT_EQ(y[t * hidden + c], float_to_bf16(acc)) << "token " << t << " col " << c;  // same order, same rounding
     }
   }
   for (void* ptr : std::initializer_list<void*>{d_x, plan.slot_to_route, plan.route_to_slot, plan.num_blocks,
@@ -206,11 +211,11 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x and pool must be 16-byte aligned"},
       });
 
-  const char* combine_null = "routed, topk_weights, y and the plan's route_to_slot must be non-null";
+  const char* combine_null = "routed, y and the plan's route_to_slot must be non-null";
   expect_rejections<Combine>(
       megamoe_combine_bf16, unread_plan({4, 2, 2, 0, 2}), Combine{p, fp, p, 64},
       {
-          {[](auto&, auto& a) { a.topk_weights = nullptr; }, combine_null},
+          {[](auto&, auto& a) { a.y = nullptr; }, combine_null},
           {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, combine_null},
           {[](auto&, auto& a) { a.hidden = 60; }, "multiple of 8"},
           {[](auto&, auto& a) { a.y = check_buf + 8; }, "routed and y must be 16-byte aligned"},

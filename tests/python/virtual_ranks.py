@@ -94,7 +94,7 @@ class _Ranks:
     def combine(self, r, x, out_pools, weights):
         """Rank r's [T_r, H] = Σ_k weights[t, k] · (its route's row in its expert owner's out pool)."""
         return combine_from_owners(pointer_table(out_pools), pointer_table([plan.route_to_slot for plan in self.plans]),
-                                   self.world, weights, self.route_offsets[r], x)
+                                   self.world, weights, self.route_offsets[r], x, weights.shape[1])
 
 
 def forward_virtual_ranks(xs, topk_ids, topk_weights, w13s, w2s, activation: str = "swiglu"

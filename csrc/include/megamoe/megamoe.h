@@ -77,7 +77,7 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_pl
 //           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows); with
 //           row_bytes 0, only that (x and pool may be null).
 // combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
-//           in ascending k, fp32, rounded once (deterministic).
+//           in ascending k, fp32, rounded once (deterministic); null topk_weights: every weight 1.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* x;         // [T, row_bytes], rows x_stride bytes apart; may be null when row_bytes is 0
@@ -90,7 +90,7 @@ typedef struct {
 
 typedef struct {
   const void* routed;         // [T * K, hidden] bf16, row t * K + k
-  const float* topk_weights;  // [T, K] fp32
+  const float* topk_weights;  // [T, K] fp32, or null: every weight 1
   void* y;                    // [T, hidden] bf16
   int32_t hidden;             // a multiple of 8
 } megamoe_combine_args;
@@ -126,7 +126,8 @@ int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const megamoe_dispatc
 //           Σ_k topk_weights[t, k] · out_peers[d][slot] where d is the rank whose plan gives global route
 //           route_offset + t * K + k a slot (route_to_slot_peers[d][route] >= 0; none: the route is
 //           masked and adds nothing), in ascending k, fp32, rounded once: bit for bit
-//           megamoe_combine_bf16's sums. out_peers[d] is rank d's pool-ordered output [pool rows, hidden].
+//           megamoe_combine_bf16's sums (null topk_weights: every weight 1). out_peers[d] is rank d's
+//           pool-ordered output [pool rows, hidden].
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_MAX_PEERS 8
 
@@ -143,7 +144,7 @@ typedef struct {
 typedef struct {
   const void* const* out_peers;                // [W] -> [pool rows of rank d, hidden] bf16
   const int32_t* const* route_to_slot_peers;   // [W] -> every owner's route -> slot table over all routes
-  const float* topk_weights;                   // [T, K] fp32 of this rank
+  const float* topk_weights;                   // [T, K] fp32 of this rank, or null: every weight 1
   void* y;                                     // [T, hidden] bf16
   int64_t route_offset;                        // this rank's first global route
   int64_t num_tokens;                          // T of this rank

@@ -1,5 +1,5 @@
-// Combine (one rank): y[t] = Σ_k p[t, k] · routed[t*K + k], summed in ascending k in fp32 and
-// rounded once. Deterministic, no atomics. Routes without a slot (masked) are skipped, so their
+// Combine (one rank): y[t] = Σ_k p[t, k] · routed[t*K + k] (p = 1 without topk_weights), summed in
+// ascending k in fp32 and rounded once. Deterministic, no atomics. Routes without a slot (masked) are skipped, so their
 // rows of `routed`, never written, are never read.
 #include "kernels/dispatch_combine/warp_rows.cuh"
 
@@ -28,8 +28,8 @@ extern "C" int megamoe_combine_bf16(const megamoe_routing_plan* plan, const mega
   const megamoe_combine_args& a = *args;
   const int64_t num_tokens = plan->shape.num_tokens;
   if (num_tokens == 0) return MEGAMOE_OK;
-  if (!a.routed || !a.topk_weights || !plan->route_to_slot || !a.y) {
-    return invalid_argument(fn + "routed, topk_weights, y and the plan's route_to_slot must be non-null");
+  if (!a.routed || !plan->route_to_slot || !a.y) {
+    return invalid_argument(fn + "routed, y and the plan's route_to_slot must be non-null");
   }
   if (a.hidden <= 0 || a.hidden % kBf16PerVec) {
     return invalid_argument(fn + "hidden size " + std::to_string(a.hidden) + " must be a positive multiple of 8");

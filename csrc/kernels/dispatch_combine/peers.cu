@@ -155,8 +155,8 @@ extern "C" int megamoe_combine_peers_bf16(const megamoe_combine_peers_args* args
   }
   if (a.num_tokens < 0 || a.route_offset < 0) return invalid_argument(fn + "num_tokens and route_offset must be >= 0");
   if (a.num_tokens == 0) return MEGAMOE_OK;
-  if (a.out_peers == nullptr || a.route_to_slot_peers == nullptr || a.topk_weights == nullptr || a.y == nullptr) {
-    return invalid_argument(fn + "out_peers, route_to_slot_peers, topk_weights and y must be non-null");
+  if (a.out_peers == nullptr || a.route_to_slot_peers == nullptr || a.y == nullptr) {
+    return invalid_argument(fn + "out_peers, route_to_slot_peers and y must be non-null");
   }
   CombinePeers peers{};
   peers.world = a.world;

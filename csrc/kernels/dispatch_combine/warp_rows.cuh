@@ -25,7 +25,8 @@ inline int warp_grid(int64_t warps, int* grid) {
 }
 
 // y[t] = Σ_k topk_weights[t K + k] · route_row(t K + k) over the routes that have a row (route_row
-// gives nullptr for the others), in ascending k, in fp32, rounded once. Every combine (one rank, W
+// gives nullptr for the others), in ascending k, in fp32, rounded once; null topk_weights weighs every
+// route 1 (a gradient's sum over its routes). Every combine (one rank, W
 // ranks) is this sum, whatever holds the rows, so W ranks give bit for bit what one rank gives.
 // The rows of kBatch routes are loaded before any is added, so a lane keeps that many loads in flight.
 template <class RouteRow>
@@ -49,7 +50,7 @@ __device__ __forceinline__ void combine_tokens(const RouteRow& route_row, const 
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          if (routed[j]) add_scaled(acc, rows[j], topk_weights[t * top_k + k0 + j]);
+          if (routed[j]) add_scaled(acc, rows[j], topk_weights ? topk_weights[t * top_k + k0 + j] : 1.f);
         }
       }
       store(y + t * vecs_per_row + c, round_to_bf16(acc));
