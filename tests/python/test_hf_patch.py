@@ -86,10 +86,33 @@ MODELS = {
         intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
         topk_group=1, first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=64,
         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+    # Shared experts and group-limited routing after a dense first layer (GLM-4.5).
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, n_shared_experts=1)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=32)),
+    # MoE from the second layer on, two shared experts.
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
+        intermediate_size=256, moe_intermediate_size=128, moe_num_experts=8, moe_k=2)),
+    "dots1": ("Dots1ForCausalLM", "Dots1Config", dict(
+        intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
+        intermediate_size=128, num_experts=8, moe_topk=2, head_dim=32)),
+    # Linear-attention layers between full-attention ones; a shared expert with a sigmoid gate.
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8,
+        num_experts_per_tok=2, head_dim=32)),
+    # Sparsemixer routing; its training-time jitter off, so both models route alike.
+    "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(
+        intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0)),
 }
-DENSE_LAYERS = {"deepseek_v3": 1}  # layers before the first MoE layer
-# Models whose output carries the router's aux loss (DeepSeek-V3 balances without one).
-AUX_LOSS = {"qwen2_moe", "qwen3_moe", "qwen3_moe_geglu", "mixtral", "olmoe"}
+DENSE_LAYERS = {"deepseek_v3": 1, "glm4_moe": 1, "ernie4_5_moe": 1}  # layers before the first MoE layer
+# Models whose output carries the router's aux loss (DeepSeek-V3 and the others balance without one).
+AUX_LOSS = {"qwen2_moe", "qwen3_moe", "qwen3_moe_geglu", "mixtral", "olmoe", "ernie4_5_moe", "qwen3_next", "phimoe"}
 ACTIVATION = {"qwen3_moe_geglu": "geglu"}
 
 # (backend, device) pairs: the baselines on the CPU, the fused kernels on a GPU (bf16 only).
@@ -110,12 +133,13 @@ def family_model(family, dtype=torch.float32, moe_layers=2, device="cpu"):
 
 
 def family_step(model, family, input_ids):
-    """One forward and backward: (loss, logits, aux loss or None, {parameter: gradient})."""
+    """One forward and backward: (loss, logits, aux loss or None, {trainable parameter: gradient})."""
     model.zero_grad()
     router_logits = {"output_router_logits": True} if family in AUX_LOSS else {}
     out = model(input_ids=input_ids, labels=input_ids, use_cache=False, **router_logits)
     out.loss.backward()
-    return out.loss, out.logits, getattr(out, "aux_loss", None), {n: p.grad for n, p in model.named_parameters()}
+    return (out.loss, out.logits, getattr(out, "aux_loss", None),
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
 
 def family_cases(test):
