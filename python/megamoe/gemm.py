@@ -198,12 +198,9 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
     dz_t = e4m3(2 * inter, rows), scales(rows // 128, 2 * inter)
     hp_t = e4m3(inter, rows), scales(inter // 128, rows // 128)
 
-    def pointer(t: torch.Tensor | None) -> int:
-        return 0 if t is None else t.data_ptr()
-
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
-                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), pointer(dz),
-                                        pointer(hp), dp_partial.data_ptr(),
+                                        w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), _native.address(dz),
+                                        _native.address(hp), dp_partial.data_ptr(),
                                         *(t.data_ptr() for t in (*dz_rows, *dz_t, *hp_t)), inter, hidden, act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))

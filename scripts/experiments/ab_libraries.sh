@@ -25,6 +25,10 @@ for round in 1 2; do
     esac
     MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/megamoe-site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
       timeout 200 "${runner[@]}" $bench_args --out "$out/$n-$round" 2>&1 |
-      case "$module" in megamoe.bench) grep -E "│|Error|Traceback" ;; time_moe) grep -E "^{|Error|Traceback" ;; *) head -12 ;; esac
+      case "$module" in
+        megamoe.bench) grep -E "│|Error|Traceback" ;;
+        time_moe) grep -E "^{|Error|Traceback" ;;
+        *) head -12 ;;
+      esac
   done
 done

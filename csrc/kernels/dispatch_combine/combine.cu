@@ -1,6 +1,6 @@
 // Combine (one rank): y[t] = Σ_k p[t, k] · routed[t*K + k] (p = 1 without topk_weights), summed in
-// ascending k in fp32 and rounded once. Deterministic, no atomics. Routes without a slot (masked) are skipped, so their
-// rows of `routed`, never written, are never read.
+// ascending k in fp32 and rounded once. Deterministic, no atomics. Routes without a slot (masked) are
+// skipped, so their rows of `routed`, never written, are never read.
 #include "kernels/dispatch_combine/warp_rows.cuh"
 
 namespace megamoe {

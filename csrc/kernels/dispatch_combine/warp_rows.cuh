@@ -26,8 +26,8 @@ inline int warp_grid(int64_t warps, int* grid) {
 
 // y[t] = Σ_k topk_weights[t K + k] · route_row(t K + k) over the routes that have a row (route_row
 // gives nullptr for the others), in ascending k, in fp32, rounded once; null topk_weights weighs every
-// route 1 (a gradient's sum over its routes). Every combine (one rank, W
-// ranks) is this sum, whatever holds the rows, so W ranks give bit for bit what one rank gives.
+// route 1 (a gradient's sum over its routes). Every combine (one rank, W ranks) is this sum, whatever
+// holds the rows, so W ranks give bit for bit what one rank gives.
 // The rows of kBatch routes are loaded before any is added, so a lane keeps that many loads in flight.
 template <class RouteRow>
 __device__ __forceinline__ void combine_tokens(const RouteRow& route_row, const float* __restrict__ topk_weights,
