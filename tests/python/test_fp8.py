@@ -217,15 +217,17 @@ def test_the_transposed_quantisation_of_e4m3_rows_dequantises_them_first(in_bloc
 @pytest.mark.parametrize("m, n", [(256, 384), (384, 256)])  # 256- and 128-wide tiles
 def test_fp8_weight_gradients_match_the_dequantised_product(m, n):
     """out[e] = a[rows of e]ᵀ · b[rows of e] from the transposed FP8 operands, against fp64 on what
-    they dequantise to: the kernel adds no error beyond its fp32 sums; fp32 out adds to main_grad."""
+    they dequantise to: the kernel adds no error beyond its fp32 sums; fp32 out adds to main_grad;
+    an expert without rows (3) gets zeros between experts with rows."""
     experts = 8
     ids, _ = make_routing(700, experts, 2, "skewed", generator=torch.Generator().manual_seed(5))
+    ids[ids == 3] = -1
     plan = build_routing(ids.cuda(), experts)
     rows = plan.slot_to_route.numel()
     real = (plan.slot_to_route >= 0).unsqueeze(1)
     a = torch.where(real, torch.randn(rows, m, device="cuda"), 0).bfloat16()
     b = torch.where(real, torch.randn(rows, n, device="cuda"), 0).bfloat16()
-    out = torch.empty(experts, m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((experts, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     weight_grad_fp8(a, b, plan, out)
     main_grad = torch.ones(experts, m, n, device="cuda")
     weight_grad_fp8(a, b, plan, main_grad)
@@ -236,6 +238,7 @@ def test_fp8_weight_gradients_match_the_dequantised_product(m, n):
     b_deq = fp8.dequantize_blocks(b_t[:, :live].unsqueeze(0).contiguous(),
                                   b_scales[:, :live // 128].unsqueeze(0).contiguous()).double()[0]
     offsets = plan.expert_offsets.tolist()
+    assert offsets[3] == offsets[4] and offsets[2] < offsets[3]
     for e in range(experts):
         begin, end = offsets[e], offsets[e + 1]
         want = a_deq[:, begin:end] @ b_deq[:, begin:end].t()

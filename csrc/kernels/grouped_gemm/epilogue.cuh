@@ -127,12 +127,10 @@ __device__ __forceinline__ void stage_packed_chunk(const uint32_t (&packed)[M], 
 
 // Fragment entries 2i and 2i + 1 as one bf16 pair: packed[i]. In the fragment's order, packed
 // [4 (4 c + p), + 4) are the stmatrix operands of 16 x 16 block p of 64-column chunk c.
-// zero: pack zeros instead (a K-grouped tile without k-blocks); a constant false folds away.
 template <int N>
-__device__ __forceinline__ void pack_fragment(const float (&acc)[N], uint32_t (&packed)[N / 2], bool zero = false) {
-  const uint32_t keep = zero ? 0u : ~0u;
+__device__ __forceinline__ void pack_fragment(const float (&acc)[N], uint32_t (&packed)[N / 2]) {
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]) & keep;
+  for (int i = 0; i < N / 2; ++i) packed[i] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
 }
 
 // Where a TMA store of a box at (column, row) goes, for the maps of tensor_map.h: a matrix, one

@@ -9,7 +9,7 @@
 //         out += tile (read, add, write: every element is owned by exactly one thread of one tile, so
 //         no atomics, deterministic).
 // A tile without k-blocks (an expert without rows) skipped the main loop: it writes zeros (adds
-// nothing), whatever acc holds.
+// nothing), whatever acc holds (bf16: the kernel retires it from a zero fragment).
 #pragma once
 
 #include "kernels/grouped_gemm/epilogue.cuh"
@@ -65,10 +65,10 @@ struct WeightGradEpilogue {
   }
   __device__ static Rows prepare(const Params&, const ExpertTile&, int) { return {}; }
 
-  // bf16 is deferred (kernel.cuh): the packed tile is stored under the next tile's first wgmma batch;
-  // not in FP8, whose main loop's fragment besides the sum leaves no room for it. fp32 stores its 128
-  // values per thread right away: they do not fit beside the next accumulators.
-  static constexpr bool kDeferred = !Fp32 && !Cfg::kFp8;
+  // bf16 is deferred (kernel.cuh): the packed tile is stored under the next tile's first wgmma batch
+  // (in FP8 beside the main loop's fragment, before the sum is live). fp32 stores its 128 values per
+  // thread right away: they do not fit beside the next accumulators.
+  static constexpr bool kDeferred = !Fp32;
   struct Pending {
     uint32_t packed[Cfg::kAccumulators / 2];
     int expert, row0, col0;  // row0: of the expert's M
@@ -77,7 +77,7 @@ struct WeightGradEpilogue {
   __device__ static Pending retire(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
                                    int warpgroup, const ExpertTile& t, Rows) {
     Pending pending;
-    pack_fragment(acc, pending.packed, t.k_blocks == 0);
+    pack_fragment(acc, pending.packed);
     pending.expert = t.expert;
     pending.row0 = t.m_tile * kBlockM + warpgroup * kWarpgroupRows;
     pending.col0 = t.n_tile * BlockN;
@@ -89,18 +89,9 @@ struct WeightGradEpilogue {
                                         InPlane{pending.expert});
   }
 
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>& smem,
-                               int warpgroup, const ExpertTile& t, Rows rows) {
-    if constexpr (!Fp32) {
-      static_assert(!kDeferred, "a deferred bf16 tile is stored from its Pending");
-      store(retire(acc, p, smem, warpgroup, t, rows), p, smem, warpgroup);
-    } else {
-      store_fp32(acc, p, warpgroup, t);
-    }
-  }
-
-  __device__ static void store_fp32(const float (&acc)[Cfg::kAccumulators], const Params& p, int warpgroup,
-                                    const ExpertTile& t) {
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const Params& p, const SharedStorage<Cfg>&,
+                               int warpgroup, const ExpertTile& t, Rows) {
+    static_assert(Fp32, "a bf16 tile is deferred: stored from its Pending");
     const int col0 = t.n_tile * BlockN + 2 * (threadIdx.x % 4);  // this thread's first column
     const bool zero = t.k_blocks == 0;
     const int row = t.m_tile * kBlockM + fragment_row(warpgroup);  // of the expert's M; the other is row + 8

@@ -86,10 +86,6 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   const int math_wg = warpgroup - 1;
   PipelineState<Cfg::kStages> state;
   float acc[Cfg::kAccumulators];
-  if constexpr (Sched::kMayBeEmpty) {  // defined values even if the first tile skips the main loop
-#pragma unroll
-    for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
-  }
   if constexpr (Deferred<Epi>::value) {
     // The tile's result waits in registers (bf16) and is stored under the next tile's first batch.
     typename Epi::Pending pending;
@@ -102,14 +98,23 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
       const auto rows = Epi::prepare(epi, tile, math_wg);
       if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
         main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, store_pending);
+        pending = Epi::retire(acc, epi, smem, math_wg, tile, rows);
       } else {
-        store_pending();  // no main loop to hide it under; retire() packs zeros for this tile
+        // No main loop to hide the store under, and the tile's result is zeros: retired from a zero
+        // fragment rather than acc, so acc is not live from one tile to the next (which leaves the
+        // FP8 main loop room for the pending tile beside its fragment).
+        store_pending();
+        const float zeros[Cfg::kAccumulators] = {};
+        pending = Epi::retire(zeros, epi, smem, math_wg, tile, rows);
       }
-      pending = Epi::retire(acc, epi, smem, math_wg, tile, rows);
       has_pending = true;
     }
     store_pending();
   } else {
+    if constexpr (Sched::kMayBeEmpty) {  // defined values even if the first tile skips the main loop
+#pragma unroll
+      for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
+    }
     for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
