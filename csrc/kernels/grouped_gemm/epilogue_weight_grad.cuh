@@ -8,8 +8,8 @@
 //         contiguous bytes of a row: whole sectors), those past M or N left out; with accumulate,
 //         out += tile (read, add, write: every element is owned by exactly one thread of one tile, so
 //         no atomics, deterministic).
-// A tile without k-blocks (an expert without rows) skipped the main loop: it writes zeros (adds
-// nothing), whatever acc holds (bf16: the kernel retires it from a zero fragment).
+// A tile without k-blocks (an expert without rows) skips the main loop; the kernel retires or stores
+// it from a zero fragment, so it writes zeros (fp32 accumulating: adds nothing).
 #pragma once
 
 #include "kernels/grouped_gemm/epilogue.cuh"
@@ -93,7 +93,6 @@ struct WeightGradEpilogue {
                                int warpgroup, const ExpertTile& t, Rows) {
     static_assert(Fp32, "a bf16 tile is deferred: stored from its Pending");
     const int col0 = t.n_tile * BlockN + 2 * (threadIdx.x % 4);  // this thread's first column
-    const bool zero = t.k_blocks == 0;
     const int row = t.m_tile * kBlockM + fragment_row(warpgroup);  // of the expert's M; the other is row + 8
     const bool in_m[2] = {row < p.m, row + 8 < p.m};
     float* base = p.out + (int64_t(t.expert) * p.m + row) * p.ld + col0;
@@ -118,7 +117,7 @@ struct WeightGradEpilogue {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int x = 4 * (j0 + j) + 2 * h;
-          float2 v = zero ? make_float2(0.f, 0.f) : make_float2(acc[x], acc[x + 1]);
+          float2 v = make_float2(acc[x], acc[x + 1]);
           v.x += old[j][h].x;
           v.y += old[j][h].y;
           if (in_m[h] && col0 + 8 * (j0 + j) < p.n) {

@@ -111,22 +111,22 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     }
     store_pending();
   } else {
-    if constexpr (Sched::kMayBeEmpty) {  // defined values even if the first tile skips the main loop
-#pragma unroll
-      for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
-    }
+    const auto store = [&](const float(&values)[Cfg::kAccumulators], const auto& tile, const auto& rows) {
+      if constexpr (RingChunks<Epi>::value > 0) {
+        Epi::store(values, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
+      } else {
+        Epi::store(values, epi, smem, math_wg, tile, rows);
+      }
+    };
     for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
-      // K-grouped: a tile without k-blocks (an expert without rows) skips the main loop and its
-      // epilogue writes zeros instead of acc (zeroing acc here costs registers: spills at BLOCK_N 256).
       if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
         main_loop<Cfg>(acc, smem, state, tiles, tile, math_wg, mainloop, [] {});
-      }
-      if constexpr (RingChunks<Epi>::value > 0) {
-        Epi::store(acc, epi, smem, math_wg, tile, rows, state);  // reads its stages from the ring
-      } else {
-        Epi::store(acc, epi, smem, math_wg, tile, rows);
+        store(acc, tile, rows);
+      } else {  // K-grouped, an expert without rows: its tile is zeros (as in the deferred path)
+        const float zeros[Cfg::kAccumulators] = {};
+        store(zeros, tile, rows);
       }
     }
   }
