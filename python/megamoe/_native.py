@@ -68,6 +68,8 @@ QuantizeFp8Args = _struct("megamoe_quantize_fp8_args", ("a", _ptr), ("q", _ptr),
                           ("k", _i32), ("scales_ld", _i32))
 DequantizeFp8Args = _struct("megamoe_dequantize_fp8_args", ("q", _ptr), ("scales", _ptr), ("a", _ptr),
                             ("rows", _i64), ("k", _i32))
+QuantizeBlocksTransposedFp8Args = _struct("megamoe_quantize_blocks_transposed_fp8_args", ("w", _ptr), ("q_t", _ptr),
+                                          ("scales_t", _ptr), ("batches", _i64), ("n", _i32), ("k", _i32))
 TransposeFp8Args = _struct("megamoe_transpose_fp8_args", ("in", _ptr), ("out", _ptr), ("batches", _i64),
                            ("rows", _i32), ("cols", _i32))
 GatedGemmFp8Args = _struct("megamoe_gated_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("w13", _ptr),
@@ -99,8 +101,8 @@ WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool"
                          ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
-           GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, TransposeFp8Args, GatedGemmArgs,
-           GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs, GatedBackwardFp8Args,
+           GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, QuantizeBlocksTransposedFp8Args, TransposeFp8Args,
+           GatedGemmArgs, GatedGemmFp8Args, ScatterGemmArgs, ScatterGemmFp8Args, GatedBackwardArgs, GatedBackwardFp8Args,
            DpReduceArgs, WeightGradArgs, WeightGradFp8Args, TransposeQuantizeFp8Args)
 
 
@@ -136,6 +138,7 @@ SIGNATURES = {
     "megamoe_quantize_rows_fp8": (ctypes.c_int, [_p(QuantizeFp8Args), _ptr]),
     "megamoe_dequantize_rows_fp8": (ctypes.c_int, [_p(DequantizeFp8Args), _ptr]),
     "megamoe_quantize_blocks_fp8": (ctypes.c_int, [_p(QuantizeFp8Args), _ptr]),
+    "megamoe_quantize_blocks_transposed_fp8": (ctypes.c_int, [_p(QuantizeBlocksTransposedFp8Args), _ptr]),
     "megamoe_transpose_fp8": (ctypes.c_int, [_p(TransposeFp8Args), _ptr]),
     "megamoe_grouped_gemm_bf16": _plan_op(GemmArgs),
     "megamoe_grouped_gemm_fp8": _plan_op(GemmFp8Args),

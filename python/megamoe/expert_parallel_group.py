@@ -375,9 +375,9 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
         weight_grad(dz, x_bf16, plan, dw13)
         weight_grad(dy_pool, hp, plan, dw2)
     else:
-        w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+        w2t, w2t_scales = fp8.transposed_weight(w2)
         dh = gated_backward_fp8(*dy_fp8, w2t, w2t_scales, z, p_pool, plan, activation)
-        w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
+        w13t, w13t_scales = fp8.transposed_weight(w13)
         grouped_gemm_fp8(*dh.dz_rows, w13t, w13t_scales, plan, out=dx_pool)
         weight_grad_fp8(dh.dz_t, x_bf16, plan, dw13)
         weight_grad_fp8(dy_fp8[0], dh.hp_t, plan, dw2, a_row_scales=dy_fp8[1])

@@ -77,6 +77,22 @@ def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.contiguous()
 
 
+def quantize_blocks_transposed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (e4m3 [E, K, N], scales fp32 [E, K / 128, N / 128]): quantize_blocks of
+    w.transpose(1, 2), with w read once (a 128 x 128 block transposes into one with the same scale)."""
+    e, n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
+    if not (_on_core(w) and w.data_ptr() % 16 == 0):
+        return quantize_blocks(w.transpose(1, 2).contiguous())
+    q_t = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
+    scales_t = torch.empty(e, k // BLOCK, n // BLOCK, dtype=torch.float32, device=w.device)
+    _native.call("megamoe_quantize_blocks_transposed_fp8", "quantize_blocks_transposed",
+                 _native.QuantizeBlocksTransposedFp8Args(w.data_ptr(), q_t.data_ptr(), scales_t.data_ptr(), e, n, k),
+                 _native.stream(w.device))
+    return q_t, scales_t
+
+
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values quantize_rows' output (k-block major scales) stands for, in fp32 or rounded to dtype."""
     rows, k = q.shape
@@ -113,25 +129,27 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(eq=False)
 class QuantizedWeight:
-    """The block-FP8 copy of a weight w [E, N, K]: q e4m3 [E, N, K] and scales fp32 [E, N/128, K/128]
-    (quantize_blocks), and on demand its transposed copy for the backward (`transposed()`)."""
+    """The block-FP8 copies of a weight w [E, N, K], each made when first asked for: the forward's, q
+    e4m3 [E, N, K] and scales fp32 [E, N/128, K/128] (quantize_blocks; None until a forward asks,
+    fp8.quantized_weight), and the backward's transposed one (`transposed()`, fp8.transposed_weight)."""
 
-    q: torch.Tensor
-    scales: torch.Tensor
+    q: torch.Tensor | None
+    scales: torch.Tensor | None
     _transposed: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 [E, K, N], scales fp32 [E, K/128, N/128]): the copy of w.transpose(1, 2), made once.
-        A 128x128 block transposes into a 128x128 block with the same amax, so this is exactly
-        quantize_blocks(w.transpose(1, 2)) without requantising: a transposed copy of q and scales."""
+        Made from the forward's copy when there is one: a 128x128 block transposes into a 128x128 block
+        with the same amax, so transposing q and the scales gives exactly quantize_blocks_transposed(w)
+        and reads a byte per element instead of w's two."""
         if self._transposed is None:
             self._transposed = (_transposed_values(self.q), self.scales.transpose(1, 2).contiguous())
         return self._transposed
 
     def nbytes(self) -> int:
-        """Device bytes held: q and scales, and the transposed copy once it was made."""
+        """Device bytes held: the copies made so far and their scales."""
         tensors = (self.q, self.scales, *(self._transposed or ()))
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _transposed_values(q: torch.Tensor) -> torch.Tensor:
@@ -181,24 +199,43 @@ def _cacheable(w: torch.Tensor) -> bool:
     return not is_fake(w)
 
 
-def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
-    """The block-FP8 copy of the weight w [E, N, K] (N and K multiples of 128), from the cache while w is
-    unchanged. The copy carries no autograd history; its transposed copy (`.transposed()`) is made the
-    first time the backward asks for it and cached with it."""
-    if not _cacheable(w):
-        with torch.no_grad():
-            return QuantizedWeight(*quantize_blocks(w.detach()))
+def _cached(w: torch.Tensor) -> QuantizedWeight:
+    """w's cache entry, made empty (no copy yet) when there is none for w as it is now."""
     place = _place(w)
     owner, entry = _owner_entry(w, place)
     key = (w._version, *place)  # the version and where w lies
     if entry is not None and entry[0] == key:
         return entry[1]
-    _CACHE.pop(owner, None)  # the stale copy goes before the new one is made: never both at once
-    with torch.no_grad():
-        quantized = QuantizedWeight(*quantize_blocks(w.detach()))
+    _CACHE.pop(owner, None)  # the stale copies go before new ones are made: never both at once
+    quantized = QuantizedWeight(None, None)
     _CACHE[owner] = (key, quantized)
     _OWNERS[place] = owner  # the owner lies where w does
     return quantized
+
+
+def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
+    """The block-FP8 copies of the weight w [E, N, K] (N and K multiples of 128), from the cache while w
+    is unchanged, with the forward's copy (q, scales) made. The copies have no autograd history."""
+    quantized = _cached(w) if _cacheable(w) else QuantizedWeight(None, None)
+    if quantized.q is None:
+        with torch.no_grad():
+            quantized.q, quantized.scales = quantize_blocks(w.detach())
+    return quantized
+
+
+def transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's copy of the weight w [E, N, K]: (e4m3 [E, K, N], scales fp32 [E, K/128, N/128]),
+    from the cache while w is unchanged. Made from the forward's copy when the forward made one, else
+    quantised from w straight into the transposed layout, with no forward copy made (the FP8 backward
+    of a bf16 forward, "fp8_bwd", holds one copy instead of two)."""
+    if not _cacheable(w):
+        with torch.no_grad():
+            return quantize_blocks_transposed(w.detach())
+    quantized = _cached(w)
+    if quantized.q is None and quantized._transposed is None:
+        with torch.no_grad():
+            quantized._transposed = quantize_blocks_transposed(w.detach())
+    return quantized.transposed()
 
 
 def cache_bytes(device: torch.device | str | None = None) -> int:

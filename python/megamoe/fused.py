@@ -19,7 +19,7 @@ Block FP8 (DeepSeek-V3 recipe; precision "fp8": forward and backward, "fp8_bwd":
 the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and dispatched in e4m3 with
 their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come
 from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
-(dh) and w13 (dx) because FP8 tensor cores read both operands K-major; dh's epilogue stores dz only
+(dh) and w13 (dx) because FP8 tensor cores read both operands K-major (in "fp8_bwd" the only copies); dh's epilogue stores dz only
 in e4m3, quantised per row for dx.
 The weight gradients are FP8 GEMMs too, K-grouped over each expert's rows: dy and dz transposed and
 quantised in 1 x 128 blocks along the tokens, p·h and x in 128 x 128 blocks (128 tokens x 128
@@ -178,7 +178,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             del pool
     if fp8_backward:
         dy_pool = dispatch_fp8(plan, dy)  # e4m3 rows and their scales, for dh and dW2
-        w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+        w2t, w2t_scales = fp8.transposed_weight(w2)
         # dz for dx, and dz and hp transposed for the weight gradients: each freed once read
         dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(*dy_pool, w2t, w2t_scales, z, p_pool, plan, activation)
     else:
@@ -202,7 +202,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     if need_dx:
         routed = _routed(plan, x)
         if fp8_backward:
-            w13t, w13t_scales = fp8.quantized_weight(w13).transposed()
+            w13t, w13t_scales = fp8.transposed_weight(w13)
             grouped_gemm_scatter_fp8(*dz_fp8, w13t, w13t_scales, plan, routed)
             del dz_fp8
         else:

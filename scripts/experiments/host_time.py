@@ -49,7 +49,7 @@ def stub_native_calls() -> None:
 STEPS = {megamoe.fused: ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gated_gemm_fp8", "grouped_gemm_scatter",
                          "grouped_gemm_scatter_fp8", "combine", "gated_backward", "gated_backward_fp8", "weight_grad",
                          "weight_grad_fp8", "reduce_dp"),
-         megamoe.fp8: ("quantized_weight",), megamoe.fused.IdRangeCheck: ("raise_if_any",)}
+         megamoe.fp8: ("quantized_weight", "transposed_weight"), megamoe.fused.IdRangeCheck: ("raise_if_any",)}
 
 
 def time_steps() -> collections.Counter:

@@ -13,6 +13,29 @@ megamoe_quantize_fp8_args good_blocks() {
   return {check_buf, check_buf, reinterpret_cast<float*>(check_buf), 256, 384, 0};
 }
 
+// One bad call of an entry point that takes no plan: `change` spoils the good arguments.
+template <class Args>
+struct BadArguments {
+  void (*change)(Args&);
+  const char* message;
+};
+
+// entry rejects null args and every case with its message, and returns OK without a launch when
+// `empty` leaves it nothing to do.
+template <class Args>
+void expect_argument_checks(int (*entry)(const Args*, void*), const Args& good,
+                            std::initializer_list<BadArguments<Args>> cases, void (*empty)(Args&)) {
+  expect_rejected(entry(nullptr, nullptr), "args must be non-null");
+  for (const BadArguments<Args>& c : cases) {
+    Args a = good;
+    c.change(a);
+    expect_rejected(entry(&a, nullptr), c.message);
+  }
+  Args a = good;
+  empty(a);
+  EXPECT_EQ(entry(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
+}
+
 }  // namespace
 
 TEST(QuantizeValidation, RowsRejectBadArguments) {
@@ -37,45 +60,40 @@ TEST(QuantizeValidation, RowsRejectBadArguments) {
 }
 
 TEST(QuantizeValidation, BlocksRejectBadArguments) {
-  expect_rejected(megamoe_quantize_blocks_fp8(nullptr, nullptr), "args must be non-null");
   const char* sizes = "need rows and k multiples of 128 and scales_ld 0";
-  for (const auto change : {+[](Quantize& a) { a.rows = 100; }, +[](Quantize& a) { a.k = 64; },
-                            +[](Quantize& a) { a.scales_ld = 3; }, +[](Quantize& a) { a.rows = -128; }}) {
-    Quantize a = good_blocks();
-    change(a);
-    expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), sizes);
-  }
-  Quantize a = good_blocks();
-  a.q = nullptr;
-  expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), "null pointer");
-  a = good_blocks();
-  a.a = check_buf + 8;
-  expect_rejected(megamoe_quantize_blocks_fp8(&a, nullptr), "the bf16 matrix must be 16-byte");
-  a = good_blocks();
-  a.rows = 0;  // nothing to quantise: no launch
-  EXPECT_EQ(megamoe_quantize_blocks_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  expect_argument_checks<Quantize>(megamoe_quantize_blocks_fp8, good_blocks(),
+                                   {{[](Quantize& a) { a.rows = 100; }, sizes},
+                                    {[](Quantize& a) { a.k = 64; }, sizes},
+                                    {[](Quantize& a) { a.scales_ld = 3; }, sizes},
+                                    {[](Quantize& a) { a.rows = -128; }, sizes},
+                                    {[](Quantize& a) { a.q = nullptr; }, "null pointer"},
+                                    {[](Quantize& a) { a.a = check_buf + 8; }, "the bf16 matrix must be 16-byte"}},
+                                   [](Quantize& a) { a.rows = 0; });
+}
+
+TEST(QuantizeValidation, TransposedBlocksRejectBadArguments) {
+  using Args = megamoe_quantize_blocks_transposed_fp8_args;
+  const char* sizes = "need batches >= 0 and n and k positive multiples of 128";
+  expect_argument_checks<Args>(megamoe_quantize_blocks_transposed_fp8,
+                               Args{check_buf, check_buf, reinterpret_cast<float*>(check_buf), 2, 256, 384},
+                               {{[](Args& a) { a.n = 200; }, sizes},
+                                {[](Args& a) { a.k = 0; }, sizes},
+                                {[](Args& a) { a.batches = -1; }, sizes},
+                                {[](Args& a) { a.q_t = check_buf + 8; }, "w and q_t must be 16-byte aligned"},
+                                {[](Args& a) { a.scales_t = nullptr; }, "null pointer"}},
+                               [](Args& a) { a.batches = 0; });
 }
 
 TEST(TransposeValidation, RejectsBadArguments) {
-  using Transpose = megamoe_transpose_fp8_args;
-  expect_rejected(megamoe_transpose_fp8(nullptr, nullptr), "args must be non-null");
-  const Transpose good{check_buf, check_buf, 2, 128, 256};
+  using Args = megamoe_transpose_fp8_args;
   const char* sizes = "need batches >= 0 and rows and cols positive multiples of 128";
-  for (const auto change : {+[](Transpose& a) { a.rows = 96; }, +[](Transpose& a) { a.cols = 0; },
-                            +[](Transpose& a) { a.batches = -1; }}) {
-    Transpose a = good;
-    change(a);
-    expect_rejected(megamoe_transpose_fp8(&a, nullptr), sizes);
-  }
-  Transpose a = good;
-  a.out = check_buf + 4;
-  expect_rejected(megamoe_transpose_fp8(&a, nullptr), "in and out must be 16-byte aligned");
-  a = good;
-  a.in = nullptr;
-  expect_rejected(megamoe_transpose_fp8(&a, nullptr), "null pointer");
-  a = good;
-  a.batches = 0;  // nothing to move: no launch
-  EXPECT_EQ(megamoe_transpose_fp8(&a, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  expect_argument_checks<Args>(megamoe_transpose_fp8, Args{check_buf, check_buf, 2, 128, 256},
+                               {{[](Args& a) { a.rows = 96; }, sizes},
+                                {[](Args& a) { a.cols = 0; }, sizes},
+                                {[](Args& a) { a.batches = -1; }, sizes},
+                                {[](Args& a) { a.out = check_buf + 4; }, "in and out must be 16-byte aligned"},
+                                {[](Args& a) { a.in = nullptr; }, "null pointer"}},
+                               [](Args& a) { a.batches = 0; });
 }
 
 TEST(QuantizeValidation, TransposedRejectBadArguments) {

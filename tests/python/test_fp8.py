@@ -105,7 +105,7 @@ def test_dh_stores_dz_and_hp_in_e4m3_as_the_quantisations_would(inter):
     dy[3, 5] = float("nan")
     _, p_pool = dispatch(plan, dy, weights.cuda())
     w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
-    w2t, w2t_scales = fp8.quantized_weight(w2).transposed()
+    w2t, w2t_scales = fp8.transposed_weight(w2)
     z = (torch.randn(plan.num_routes, 2 * inter, device="cuda") * 3).bfloat16()  # compact, as GEMM1 keeps it
     out = gated_backward_fp8(*dispatch_fp8(plan, dy), w2t, w2t_scales, z, p_pool, plan, bf16=True)
     live = int(plan.num_blocks) * 128
@@ -337,6 +337,22 @@ def test_the_transposed_copy_is_exactly_the_quantised_transpose(empty_cache):
     assert torch.equal(scales_t, want_scales)
 
 
+def test_a_backward_without_a_forward_copy_quantises_straight_into_the_transpose(empty_cache):
+    """fp8_bwd: the backward's copy made from w itself, no forward copy held; a later forward's copy
+    joins the same entry, and the backward's is not made again."""
+    w = torch.randn(2, 256, 384) * torch.logspace(-2, 2, 384)
+    qt, scales_t = fp8.transposed_weight(w)
+    want_q, want_scales = fp8.quantize_blocks(w.transpose(1, 2))
+    assert torch.equal(qt.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales_t, want_scales)
+    assert fp8.cache_bytes() == w.numel() + 4 * (2 * 3 * 2)  # one copy: a byte per value, 4 per block
+    assert fp8.transposed_weight(w)[0] is qt
+    forward = fp8.quantized_weight(w)
+    assert torch.equal(forward.q.view(torch.uint8), fp8.quantize_blocks(w)[0].view(torch.uint8))
+    assert forward.transposed()[0] is qt and fp8.cache_bytes() == 2 * (w.numel() + 4 * 12)
+    w.add_(1)
+    assert fp8.transposed_weight(w)[0] is not qt and fp8.cache_bytes() == w.numel() + 4 * 12
+
+
 def test_the_memory_figure_counts_both_copies(empty_cache):
     w = torch.randn(4, 256, 512)
     quantized = fp8.quantized_weight(w)
@@ -356,6 +372,7 @@ def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkey
     real = torch.randn(1, 128, 128)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert fp8.quantized_weight(real) is not fp8.quantized_weight(real)
+    assert fp8.transposed_weight(real)[0] is not fp8.transposed_weight(real)[0]
     assert fp8.cache_bytes() == 0
 
 
@@ -403,10 +420,18 @@ def test_block_quantization_kernel_equals_the_torch_ops():
 
 
 @requires_cuda
-def test_the_transposed_copy_on_a_gpu_is_the_transpose_bit_for_bit(empty_cache):
-    """megamoe_transpose_fp8 (the backward's K-major weight copies) against torch's transpose."""
+@pytest.mark.parametrize("from_forward_copy", [True, False])
+def test_the_transposed_copy_on_a_gpu_is_the_transpose_bit_for_bit(empty_cache, from_forward_copy):
+    """The backward's K-major weight copies against torch's transpose of the forward's copy: made by
+    megamoe_transpose_fp8 from that copy, or by megamoe_quantize_blocks_transposed_fp8 from w (a zero
+    block, a NaN block and an inf block included)."""
     w = (torch.randn(3, 256, 384) * torch.logspace(-2, 2, 384)).to(torch.bfloat16).cuda()
-    qt, scales_t = fp8.quantized_weight(w).transposed()
+    w[0, :128, 128:256] = 0
+    w[1, 200, 10] = float("nan")
+    w[2, 100, 300] = float("inf")
+    if from_forward_copy:
+        fp8.quantized_weight(w)
+    qt, scales_t = fp8.transposed_weight(w)
     q, scales = fp8.quantize_blocks(w)
     assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
-    assert torch.equal(scales_t, scales.transpose(1, 2).contiguous())
+    assert torch.equal(scales_t.nan_to_num(7.0), scales.transpose(1, 2).contiguous().nan_to_num(7.0))

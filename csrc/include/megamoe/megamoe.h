@@ -262,6 +262,22 @@ int megamoe_quantize_rows_fp8(const megamoe_quantize_fp8_args* args, void* strea
 int megamoe_dequantize_rows_fp8(const megamoe_dequantize_fp8_args* args, void* stream);
 int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args, void* stream);
 
+// The weights' recipe with the result written transposed, for w [batches, n, k] bf16: q_t [batches,
+// k, n] e4m3 and scales_t [batches, k / 128, n / 128], exactly megamoe_quantize_blocks_fp8 of w
+// transposed (a 128 x 128 block transposes with its scale) while w is read once: the backward's
+// K-major copy of a weight whose forward copy is not made. n and k multiples of 128; w and q_t
+// 16-byte aligned.
+typedef struct {
+  const void* w;
+  void* q_t;
+  float* scales_t;
+  int64_t batches;
+  int32_t n;
+  int32_t k;
+} megamoe_quantize_blocks_transposed_fp8_args;
+
+int megamoe_quantize_blocks_transposed_fp8(const megamoe_quantize_blocks_transposed_fp8_args* args, void* stream);
+
 // The block-FP8 weight gradients' operands (megamoe_grouped_weight_grad_fp8): a pool
 // [max_blocks * 128, cols] bf16 transposed into q_t [cols, max_blocks * 128] e4m3 and quantised along
 // the pool rows (the weight gradient's K) with megamoe_quantize_rows_fp8's rounding: blocks =

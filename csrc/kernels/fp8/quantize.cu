@@ -3,7 +3,8 @@
 // One warp per row (quantize_row.cuh): 16-byte loads, all of a pass in flight at once, 8-byte stores.
 // Dequantisation: one warp per (row, 128-column block), 4 columns per lane.
 // The weights' 128 x 128 recipe (as megamoe.fp8.quantize_blocks): one CTA per block, 64 values per
-// thread in registers, so the block is read once.
+// thread in registers, so the block is read once; written as it is, or staged in shared memory and
+// stored transposed (the backward's K-major copy, transpose_tile.cuh).
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include "common/status.h"
 #include "common/vec16.cuh"
 #include "kernels/fp8/quantize_row.cuh"
+#include "kernels/fp8/transpose_tile.cuh"
 
 namespace megamoe {
 namespace {
@@ -47,16 +49,22 @@ quantize_rows(const Bf16x8* __restrict__ a, uint2* __restrict__ q, float* __rest
 }
 
 // One CTA per 128 x 128 block of a [rows, k] matrix: thread t reads 8 columns (one 16-byte load) of
-// rows t / 16 + 16 i, i < 8, and writes their 8 e4m3 bytes.
+// rows t / 16 + 16 i, i < 8, and writes their 8 e4m3 bytes: to q [rows, k] with scales [rows / 128,
+// k / 128], or Transposed, for rows = batches * n (blocks_n = n / 128), to q [batches, k, n] with
+// scales [batches, k / 128, n / 128].
 constexpr int kBlockThreads = 256;
 constexpr int kRowsPerPass = kBlockThreads / 16;
+static_assert(kBlock == fp8::kTile && kBlockThreads == fp8::kTileThreads, "a block is one transposed tile");
 
+template <bool Transposed>
 __global__ void __launch_bounds__(kBlockThreads)
-quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __restrict__ scales, int32_t blocks_k) {
+quantize_blocks(const uint4* __restrict__ b, uint8_t* __restrict__ q, float* __restrict__ scales, int32_t blocks_k,
+                int32_t blocks_n) {
   const int64_t block = blockIdx.x;
-  const int64_t row0 = (block / blocks_k) * kBlock + threadIdx.x / 16;
+  const int64_t row_block = block / blocks_k, k_block = block % blocks_k;
+  const int64_t row0 = row_block * kBlock + threadIdx.x / 16;
   const int64_t vecs_per_row = int64_t(blocks_k) * kBlock / 8;
-  const int64_t col_vec = (block % blocks_k) * (kBlock / 8) + threadIdx.x % 16;
+  const int64_t col_vec = k_block * (kBlock / 8) + threadIdx.x % 16;
   float x[kBlock / kRowsPerPass][8];
   float amax = 0.f;
 #pragma unroll
@@ -73,16 +81,28 @@ quantize_blocks(const uint4* __restrict__ b, uint2* __restrict__ q, float* __res
   }
   const float scale = fp8::cta_block_scale<kBlockThreads>(amax);
   const float inverse = fp8::inverse(scale);
-  if (threadIdx.x == 0) scales[block] = scale;
+  const auto packed = [&](int i) {
+    return make_uint2(fp8::to_e4m3x4(x[i][0], x[i][1], x[i][2], x[i][3], inverse),
+                      fp8::to_e4m3x4(x[i][4], x[i][5], x[i][6], x[i][7], inverse));
+  };
+  if constexpr (!Transposed) {
+    if (threadIdx.x == 0) scales[block] = scale;
 #pragma unroll
-  for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
-    uint32_t packed[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float* v = x[i] + 4 * half;
-      packed[half] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
+    for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
+      reinterpret_cast<uint2*>(q)[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = packed(i);
     }
-    q[(row0 + i * kRowsPerPass) * vecs_per_row + col_vec] = make_uint2(packed[0], packed[1]);
+  } else {
+    __shared__ __align__(16) uint8_t tile[kBlock * fp8::kTilePitch];
+    const int64_t batch = row_block / blocks_n, n_block = row_block % blocks_n;
+    if (threadIdx.x == 0) scales[(batch * blocks_k + k_block) * blocks_n + n_block] = scale;
+#pragma unroll
+    for (int i = 0; i < kBlock / kRowsPerPass; ++i) {
+      const int r = int(threadIdx.x) / 16 + i * kRowsPerPass;
+      *reinterpret_cast<uint2*>(tile + r * fp8::kTilePitch + (threadIdx.x % 16) * 8) = packed(i);
+    }
+    __syncthreads();
+    const int64_t n = int64_t(blocks_n) * kBlock, k = int64_t(blocks_k) * kBlock;
+    fp8::store_tile_transposed(tile, q + batch * n * k + k_block * kBlock * n + n_block * kBlock, n);
   }
 }
 
@@ -171,8 +191,31 @@ extern "C" int megamoe_quantize_blocks_fp8(const megamoe_quantize_fp8_args* args
   const int64_t blocks = (a.rows / kBlock) * (a.k / kBlock);
   if (blocks == 0) return MEGAMOE_OK;
   if (blocks > INT32_MAX) return invalid_argument(fn + "more than 2^31 blocks of 128 x 128");
-  quantize_blocks<<<unsigned(blocks), kBlockThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(a.a), static_cast<uint2*>(a.q), a.scales, a.k / kBlock);
+  quantize_blocks<false><<<unsigned(blocks), kBlockThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(a.a), static_cast<uint8_t*>(a.q), a.scales, a.k / kBlock, 0);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return MEGAMOE_OK;
+}
+
+extern "C" int megamoe_quantize_blocks_transposed_fp8(const megamoe_quantize_blocks_transposed_fp8_args* args,
+                                                      void* stream) {
+  using namespace megamoe;
+  const std::string fn = "megamoe_quantize_blocks_transposed_fp8: ";
+  if (args == nullptr) return invalid_argument(fn + "args must be non-null");
+  const megamoe_quantize_blocks_transposed_fp8_args& a = *args;
+  if (a.w == nullptr || a.q_t == nullptr || a.scales_t == nullptr) return invalid_argument(fn + "null pointer");
+  if (a.batches < 0 || a.n <= 0 || a.n % kBlock || a.k <= 0 || a.k % kBlock) {
+    return invalid_argument(fn + "need batches >= 0 and n and k positive multiples of 128, got batches " +
+                            std::to_string(a.batches) + ", n " + std::to_string(a.n) + ", k " + std::to_string(a.k));
+  }
+  if (reinterpret_cast<uintptr_t>(a.w) % 16 || reinterpret_cast<uintptr_t>(a.q_t) % 16) {
+    return invalid_argument(fn + "w and q_t must be 16-byte aligned");
+  }
+  const int64_t blocks = a.batches * (a.n / kBlock) * (a.k / kBlock);
+  if (blocks == 0) return MEGAMOE_OK;
+  if (blocks > INT32_MAX) return invalid_argument(fn + "more than 2^31 blocks of 128 x 128");
+  quantize_blocks<true><<<unsigned(blocks), kBlockThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(a.w), static_cast<uint8_t*>(a.q_t), a.scales_t, a.k / kBlock, a.n / kBlock);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }

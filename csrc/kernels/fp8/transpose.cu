@@ -1,56 +1,40 @@
 // Batched transpose of one-byte (e4m3) matrices, [batches, rows, cols] -> [batches, cols, rows]: the
-// backward's K-major copies of the FP8 weights (megamoe.fp8.QuantizedWeight.transposed). One CTA per
-// 128 x 128 tile: coalesced 16-byte loads into shared memory, then each thread gathers the bytes of
-// half an output row from there and writes them as four 16-byte stores.
+// backward's K-major copies of the FP8 weights made from their forward copies
+// (megamoe.fp8.QuantizedWeight.transposed). One CTA per 128 x 128 tile: coalesced 16-byte loads into
+// shared memory, then stored transposed (transpose_tile.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "common/status.h"
+#include "kernels/fp8/transpose_tile.cuh"
 
 namespace megamoe {
 namespace {
 
-constexpr int kTile = 128;
-constexpr int kThreads = 256;
-constexpr int kPitch = kTile + 16;  // bytes per shared row: 16-byte aligned, rows start on different banks
+using fp8::kTile;
+using fp8::kTilePitch;
+using fp8::kTileThreads;
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kTileThreads)
 transpose_tiles(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int32_t rows, int32_t cols) {
-  __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+  __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   const int tiles_c = cols / kTile;
   const int64_t tiles_per_batch = int64_t(rows / kTile) * tiles_c;
   const int64_t batch = blockIdx.x / tiles_per_batch;
   const int64_t t = blockIdx.x % tiles_per_batch;
   const int64_t row0 = (t / tiles_c) * kTile, col0 = (t % tiles_c) * kTile;
   const uint8_t* src = in + batch * int64_t(rows) * cols;
-  uint8_t* dst = out + batch * int64_t(rows) * cols;
   constexpr int kVecsPerRow = kTile / 16;
 #pragma unroll
-  for (int i = 0; i < kTile * kVecsPerRow / kThreads; ++i) {
-    const int v = i * kThreads + int(threadIdx.x);
+  for (int i = 0; i < kTile * kVecsPerRow / kTileThreads; ++i) {
+    const int v = i * kTileThreads + int(threadIdx.x);
     const int r = v / kVecsPerRow, c = (v % kVecsPerRow) * 16;
-    *reinterpret_cast<uint4*>(tile + r * kPitch + c) =
+    *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) =
         *reinterpret_cast<const uint4*>(src + (row0 + r) * cols + col0 + c);
   }
   __syncthreads();
-  const int out_row = int(threadIdx.x) / 2;          // a column of the input tile
-  const int first = (int(threadIdx.x) % 2) * (kTile / 2);  // the half of its 128 bytes this thread writes
-#pragma unroll
-  for (int v = 0; v < kTile / 2 / 16; ++v) {
-    uint32_t words[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        word |= uint32_t(tile[(first + v * 16 + w * 4 + b) * kPitch + out_row]) << (8 * b);
-      }
-      words[w] = word;
-    }
-    *reinterpret_cast<uint4*>(dst + (col0 + out_row) * rows + row0 + first + v * 16) =
-        make_uint4(words[0], words[1], words[2], words[3]);
-  }
+  fp8::store_tile_transposed(tile, out + batch * int64_t(rows) * cols + col0 * rows + row0, rows);
 }
 
 }  // namespace
@@ -73,7 +57,7 @@ extern "C" int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, voi
   const int64_t tiles = a.batches * (a.rows / kTile) * (a.cols / kTile);
   if (tiles == 0) return MEGAMOE_OK;
   if (tiles > INT32_MAX) return invalid_argument(fn + "more than 2^31 tiles of 128 x 128");
-  transpose_tiles<<<unsigned(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  transpose_tiles<<<unsigned(tiles), kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(a.in), static_cast<uint8_t*>(a.out), a.rows, a.cols);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
