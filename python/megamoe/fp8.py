@@ -239,9 +239,9 @@ def transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cache_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes held by the cached copies of weights that are still alive (on `device` if given): about one
-    byte per weight element for the forward copy, one more once the backward made the transposed one,
-    plus 4 bytes per 128x128 block for each copy's scales."""
+    """Bytes held by the cached copies of weights that are still alive (on `device` if given): one byte
+    per weight element for each copy made (the forward's, the backward's transposed one), plus 4 bytes
+    per 128x128 block for each copy's scales."""
     device = None if device is None else torch.device(device)
     return sum(entry.nbytes() for _, entry in _CACHE.values()
                if device is None or _same_device(entry.q.device, device))
