@@ -59,11 +59,15 @@ def quantize_rows(a: torch.Tensor, token_major: bool = False) -> tuple[torch.Ten
     return q, scales.t().contiguous()
 
 
+def _check_block_sizes(n: int, k: int) -> None:
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
+
+
 def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """b [E, N, K] -> (e4m3 [E, N, K], scales fp32 [E, N / 128, K / 128])."""
     e, n, k = b.shape
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
+    _check_block_sizes(n, k)
     if _on_core(b) and b.data_ptr() % 16 == 0:
         q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=b.device)
         scales = torch.empty(e, n // BLOCK, k // BLOCK, dtype=torch.float32, device=b.device)
@@ -81,8 +85,7 @@ def quantize_blocks_transposed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """w [E, N, K] -> (e4m3 [E, K, N], scales fp32 [E, K / 128, N / 128]): quantize_blocks of
     w.transpose(1, 2), with w read once (a 128 x 128 block transposes into one with the same scale)."""
     e, n, k = w.shape
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
+    _check_block_sizes(n, k)
     if not (_on_core(w) and w.data_ptr() % 16 == 0):
         return quantize_blocks(w.transpose(1, 2).contiguous())
     q_t = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
