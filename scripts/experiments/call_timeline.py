@@ -18,26 +18,22 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import megamoe
-import megamoe.fp8
 import megamoe.fused
+from host_time import STEPS  # the layer's steps, by the module that holds them
 from megamoe.shapes import PRESETS
-
-STEPS = ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gated_gemm_fp8", "grouped_gemm_scatter",
-         "grouped_gemm_scatter_fp8", "combine", "gated_backward", "gated_backward_fp8", "weight_grad",
-         "weight_grad_fp8", "reduce_dp", "fused_forward", "fused_backward")
 
 
 def mark_steps() -> None:
-    """Each of fused.py's steps runs under a record_function of its name."""
+    """Each step of host_time.STEPS, and the whole forward and backward, runs under a record_function
+    of its name."""
     def marked(name, fn):
         def run(*args, **kwargs):
             with record_function(f"step:{name}"):
                 return fn(*args, **kwargs)
         return run
-    for name in STEPS:
-        setattr(megamoe.fused, name, marked(name, getattr(megamoe.fused, name)))
-    for name in ("quantized_weight", "transposed_weight"):
-        setattr(megamoe.fp8, name, marked(name, getattr(megamoe.fp8, name)))
+    for holder, names in {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("fused_forward", "fused_backward")}.items():
+        for name in names:
+            setattr(holder, name, marked(name, getattr(holder, name)))
 
 
 def main() -> None:
@@ -104,9 +100,13 @@ def main() -> None:
         previous_end = end
     for start, end, where, name in sorted(rows):
         print(f"  {start:8.1f} {end:8.1f}  {where}  {name}")
-    idle = [b.time_range.start - a.time_range.end for a, b in zip(ks, ks[1:])]
-    print(f"GPU idle between kernels {sum(idle):.0f} µs (median call), over calls "
-          f"{statistics.median(sum(b.time_range.start - a.time_range.end for a, b in zip(s[3], s[3][1:])) for s in summaries):.0f}")
+    print(f"GPU idle between kernels {idle_us(ks):.0f} µs (median call), over calls "
+          f"{statistics.median(idle_us(s[3]) for s in summaries):.0f}")
+
+
+def idle_us(kernels) -> float:
+    """The GPU's idle time between consecutive kernels (ordered by start)."""
+    return sum(b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:]))
 
 
 if __name__ == "__main__":
