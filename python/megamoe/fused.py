@@ -68,17 +68,19 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
                      fp8_forward: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(routed [T·K, H]: each route's expert output, the bf16 pool of x or None in FP8): x dispatched
     into the pool (e4m3 with its scales in FP8), GEMM1 with the activation (writing z unless it is
-    None), then GEMM2 into the routes' rows."""
-    routed = _routed(plan, x)
+    None), then GEMM2 into the routes' rows (allocated once GEMM1 is queued: a small batch's GPU
+    waits for the host until then)."""
     if fp8_forward:
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
         x_pool, x_scales = dispatch_fp8(plan, x)
         h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation, z)
         del x_pool, x_scales
+        routed = _routed(plan, x)
         grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, routed)
         return routed, None
     x_pool = dispatch(plan, x)
     h = gated_gemm(x_pool, w13, plan, activation, z)
+    routed = _routed(plan, x)
     grouped_gemm_scatter(h, w2, plan, None, routed)
     return routed, x_pool
 
@@ -94,22 +96,24 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
-    x_pool, z, plan_buffer = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
     if topk_ids.shape[0] == 0:
-        return torch.empty_like(x), x_pool, z, plan_buffer
+        return (torch.empty_like(x),) + _nothing_kept(x, topk_ids)
     plan = _plan(topk_ids, w13.shape[0])
     id_range = IdRangeCheck(plan, w13.shape[0])
-    if keep:
-        z = empty_z(plan, w13)
-    if keep_plan:
-        plan_buffer = plan.buffer
-    routed, pool = _forward_experts(plan, x, w13, w2, activation, z if keep else None, precision == "fp8")
-    if keep and keep_pool and precision == "bf16":
-        x_pool = pool
+    z = empty_z(plan, w13) if keep else None
+    routed, pool = _forward_experts(plan, x, w13, w2, activation, z, precision == "fp8")
+    x_pool = pool if keep and keep_pool and precision == "bf16" else None
     del pool
     y = combine(plan, routed, topk_weights)
+    # What is not kept comes back as an empty tensor, made once every kernel is queued.
+    no_pool, no_z, no_plan = _nothing_kept(x, topk_ids)
     id_range.raise_if_any()
-    return y, x_pool, z, plan_buffer
+    return y, no_pool if x_pool is None else x_pool, no_z if z is None else z, plan.buffer if keep_plan else no_plan
+
+
+def _nothing_kept(x: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_pool, z, plan) as fused_forward returns them when it keeps none of them: empty tensors."""
+    return x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
 
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
@@ -125,7 +129,7 @@ def fused_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool, keep_plan):
     check_activation(activation)
     check_fused_precision(precision)
-    x_pool, z, plan = x.new_empty(0), x.new_empty(0), topk_ids.new_empty(0, dtype=torch.int32)
+    x_pool, z, plan = _nothing_kept(x, topk_ids)
     if topk_ids.shape[0] == 0:
         return torch.empty_like(x), x_pool, z, plan
     if keep:
@@ -156,8 +160,9 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         return tuple(g.zero_() for g in _empty_grads(x, topk_weights, w13, w2, need_dx, need_dweights, need_dw13,
                                                      need_dw2, main_grad13, main_grad2))
     # Each gradient is allocated when it is computed, so the weight gradients (the backward's largest
-    # tensors) are not live beside the pool of dy and hp while dh runs: a lower peak.
-    dx, dweights, dw13, dw2 = _empty_grads(x, topk_weights, w13, w2, False, False, False, False, None, None)
+    # tensors) are not live beside the pool of dy and hp while dh runs: a lower peak. Those not computed
+    # come back as empty tensors made at the end, once every kernel is queued.
+    dx = dweights = dw13 = dw2 = None
     plan = _plan(topk_ids, w13.shape[0], plan if plan.numel() else None)
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
@@ -220,7 +225,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):
                 weight_grad(dz, dispatch(plan, x[:, cols]), plan, out[:, :, cols])
-    return dx, dweights, dw13, dw2
+    return tuple(t.new_empty((0,)) if g is None else g
+                 for g, t in zip((dx, dweights, dw13, dw2), (x, topk_weights, w13, w2)))
 
 
 def _column_halves(hidden: int) -> list[slice]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +25,7 @@ class _PlanArray:
     def __get__(self, plan, owner=None):
         if plan is None:
             return self
-        offset, size, shape = plan.layout[self.name]
+        offset, size, shape = plan.layout.fields[self.name]
         view = plan.buffer[offset:offset + size].view(shape)
         plan.__dict__[self.name] = view
         return view
@@ -44,7 +45,7 @@ class RoutingPlan:
     num_blocks = _PlanArray()  # [1] int32
     num_invalid = _PlanArray()  # [1] int32: ids outside [-1, E), treated as masked
 
-    def __init__(self, buffer: torch.Tensor, shape: _native.RoutingShape, layout: dict):
+    def __init__(self, buffer: torch.Tensor, shape: _native.RoutingShape, layout: PlanLayout):
         self.buffer, self.shape, self.layout = buffer, shape, layout
         self._native_plan = None  # native()'s struct without a workspace: every kernel of a layer takes it
         # The GPU build's copy of num_invalid in pinned host memory (an int32 the host reads without a
@@ -63,19 +64,19 @@ class RoutingPlan:
     @property
     def pool_rows(self) -> int:
         """Rows of the plan's pool (its capacity): max_blocks * 128."""
-        return self.layout["slot_to_route"][1]
+        return self.layout.fields["slot_to_route"][1]
 
     @property
     def num_routes(self) -> int:
         """T * K: the (token, k) routes the plan maps."""
-        return self.layout["route_to_slot"][1]
+        return self.layout.fields["route_to_slot"][1]
 
     def native(self, workspace: torch.Tensor | None = None) -> _native.RoutingPlan:
         """The megamoe_routing_plan the C API takes: this plan's arrays and shape."""
         if workspace is None and self._native_plan is not None:
             return self._native_plan
         base = self.buffer.data_ptr()
-        plan = _native.RoutingPlan(*(base + 4 * self.layout[name][0] for name in PLAN_FIELDS),
+        plan = _native.RoutingPlan(*(base + offset for offset in self.layout.byte_offsets),
                                    _native.address(workspace), self.shape)
         if workspace is None:
             self._native_plan = plan
@@ -105,16 +106,23 @@ def _field_shapes(num_tokens, top_k: int, num_local_experts: int) -> dict:
             "block_expert": (capacity // _native.BLOCK_M,), "num_blocks": (1,), "num_invalid": (1,)}
 
 
+class PlanLayout(NamedTuple):
+    """Where a plan's arrays lie in its int32 buffer."""
+    fields: dict  # {field: (offset, int32 count, shape)} in PLAN_FIELDS order
+    size: int  # int32 elements of the buffer
+    byte_offsets: tuple  # each field's offset in bytes, in PLAN_FIELDS order (megamoe_routing_plan's pointers)
+
+
 @functools.lru_cache(maxsize=64)
-def _buffer_layout(num_tokens: int, top_k: int, num_local_experts: int) -> dict:
-    """{field: (offset, int32 count, shape)} in PLAN_FIELDS order: one computation per shape."""
-    fields = _field_shapes(num_tokens, top_k, num_local_experts)
-    layout, offset = {}, 0
+def _buffer_layout(num_tokens: int, top_k: int, num_local_experts: int) -> PlanLayout:
+    """The plan buffer's layout for a shape: computed once per shape (every layer call builds a plan)."""
+    shapes = _field_shapes(num_tokens, top_k, num_local_experts)
+    fields, offset = {}, 0
     for name in PLAN_FIELDS:
-        size = math.prod(fields[name])
-        layout[name] = (offset, size, fields[name])
+        size = math.prod(shapes[name])
+        fields[name] = (offset, size, shapes[name])
         offset += size
-    return layout
+    return PlanLayout(fields, offset, tuple(4 * fields[name][0] for name in PLAN_FIELDS))
 
 
 def plan_buffer_size(num_tokens, top_k: int, num_local_experts: int):
@@ -142,6 +150,13 @@ def _host_count_slot(device: torch.device) -> ctypes.c_int32:
     return slot
 
 
+@functools.lru_cache(maxsize=64)
+def _workspace_bytes(num_tokens: int, top_k: int, num_experts: int, expert_begin: int, num_local: int) -> int:
+    """megamoe_routing_workspace_bytes of a plan's shape, asked once per shape."""
+    shape = _native.RoutingShape(num_tokens, top_k, num_experts, expert_begin, num_local)
+    return _native.library().megamoe_routing_workspace_bytes(ctypes.byref(shape))
+
+
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
     """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all)."""
@@ -151,12 +166,12 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
     num_local = num_experts - expert_begin if num_local_experts is None else num_local_experts
     local = max(num_local, 0)  # the library rejects a bad shape below, with its message
     device = topk_ids.device
-    buffer = torch.empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], local), dtype=torch.int32,
-                         device=device)
-    plan = RoutingPlan.from_buffer(buffer, topk_ids.shape[0], topk_ids.shape[1], local, num_experts, expert_begin)
-    plan.shape.num_local_experts = num_local
+    num_tokens, top_k = topk_ids.shape
+    layout = _buffer_layout(num_tokens, top_k, local)
+    shape = _native.RoutingShape(num_tokens, top_k, num_experts, expert_begin, num_local)
+    plan = RoutingPlan(torch.empty(layout.size, dtype=torch.int32, device=device), shape, layout)
     if device.type == "cuda":
-        workspace_bytes = _native.library().megamoe_routing_workspace_bytes(ctypes.byref(plan.shape))
+        workspace_bytes = _workspace_bytes(num_tokens, top_k, num_experts, expert_begin, num_local)
         if workspace_bytes:
             native = plan.native(torch.empty(workspace_bytes, dtype=torch.uint8, device=device))
         else:  # a small plan, built by one CTA: a copy of the consumers' struct, the count slot the build's own

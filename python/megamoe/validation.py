@@ -5,7 +5,8 @@ after its launches are queued) serve the fused kernels on one rank and over a pr
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+from typing import NamedTuple
 
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
@@ -28,8 +29,7 @@ def is_plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped_tensor(t)
 
 
-@dataclasses.dataclass(frozen=True)
-class MoEProblem:
+class MoEProblem(NamedTuple):
     num_tokens: int  # T
     top_k: int  # K
     hidden_size: int  # H
@@ -46,13 +46,6 @@ def group_rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _require(condition: bool, message, error=ValueError) -> None:
-    """Raises error(message) unless condition; message may be a function that makes it, so the
-    checks of every call format nothing while they pass."""
-    if not condition:
-        raise error(message() if callable(message) else message)
-
-
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}"
 
@@ -65,76 +58,98 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool | str =
                   group=None) -> None:
     """The options every entry point takes (megamoe.moe, MoELayer, patch_hf_model, the TorchTitan
     adapters), checked in one order with one set of messages, before any tensor is looked at."""
-    _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
-    _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
-    _require(precision != "mxfp8", "precision='mxfp8' needs Blackwell (sm_100) block-scaled tensor cores, which "
-             "megamoe's sm_90a kernels do not use; on Hopper use precision='fp8' (1x128 / 128x128 block scales)",
-             NotImplementedError)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "mxfp8":
+        raise NotImplementedError(
+            "precision='mxfp8' needs Blackwell (sm_100) block-scaled tensor cores, which megamoe's sm_90a kernels "
+            "do not use; on Hopper use precision='fp8' (1x128 / 128x128 block scales)")
     check_activation(activation)
-    _require(recompute in RECOMPUTE_MODES,
-             f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     # recompute is the fused op's own activation checkpointing; the baselines have none.
-    _require(not recompute or backend == "fused",
-             f"recompute={recompute!r} needs backend='fused' (the fused backend's own recomputation), got "
-             f"backend={backend!r}, which keeps what autograd saves: wrap it in torch.utils.checkpoint instead")
+    if recompute and backend != "fused":
+        raise ValueError(
+            f"recompute={recompute!r} needs backend='fused' (the fused backend's own recomputation), got "
+            f"backend={backend!r}, which keeps what autograd saves: wrap it in torch.utils.checkpoint instead")
     # Block FP8 runs in the fused kernels on one rank; the baselines compute in bf16.
-    _require(precision == "bf16" or backend == "fused",
-             f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); backend={backend!r} "
-             "computes in bf16: pass precision='bf16'", NotImplementedError)
-    _require(group is None or backend == "fused",
-             f"expert parallelism over a process group runs backend='fused', got backend={backend!r}",
-             NotImplementedError)
-    _require(group is None or recompute != "gather",
-             "recompute='gather' is not implemented with group= yet; over a process group pass recompute=True "
-             "(keep only the inputs) or False", NotImplementedError)
+    if precision != "bf16" and backend != "fused":
+        raise NotImplementedError(
+            f"precision={precision!r} runs in backend='fused' (the block-FP8 kernels); backend={backend!r} "
+            "computes in bf16: pass precision='bf16'")
+    if group is not None and backend != "fused":
+        raise NotImplementedError(
+            f"expert parallelism over a process group runs backend='fused', got backend={backend!r}")
+    if group is not None and recompute == "gather":
+        raise NotImplementedError(
+            "recompute='gather' is not implemented with group= yet; over a process group pass recompute=True "
+            "(keep only the inputs) or False")
 
 
 def check_fused_precision(precision: str) -> None:
-    _require(precision in FUSED_PRECISIONS,
-             f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
+    if precision not in FUSED_PRECISIONS:
+        raise ValueError(f"the fused kernels compute precision {FUSED_PRECISIONS}, got {precision!r}")
 
 
 def check_moe_inputs(x, topk_ids, topk_weights, w13, w2, *, group=None, check_id_range=True) -> MoEProblem:
-    """Validates the layer's inputs (docs/DESIGN.md) and returns the problem sizes."""
+    """Validates the layer's inputs (docs/DESIGN.md) and returns the problem sizes. Plain `if`s: every
+    call of the layer pays for these checks on the host, and a small batch waits for them."""
+    tensors = (x, topk_ids, topk_weights, w13, w2)
     names = ("x", "topk_ids", "topk_weights", "w13", "w2")
-    for name, t in zip(names, (x, topk_ids, topk_weights, w13, w2)):
-        _require(isinstance(t, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}",
-                 TypeError)
-    _require(x.dim() == 2, lambda: f"x must be [T, H], got {_describe(x)}")
-    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
-             lambda: f"topk_ids must be [T, K] with T = {x.shape[0]} (rows of x), got {_describe(topk_ids)}")
-    _require(topk_weights.shape == topk_ids.shape,
-             lambda: f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {_describe(topk_weights)}")
-    _require(w13.dim() == 3, lambda: f"w13 must be [E_local, 2I, H], got {_describe(w13)}")
-    _require(w2.dim() == 3, lambda: f"w2 must be [E_local, H, I], got {_describe(w2)}")
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {_describe(x)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [T, K] with T = {x.shape[0]} (rows of x), got {_describe(topk_ids)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                         f"{_describe(topk_weights)}")
+    if w13.dim() != 3:
+        raise ValueError(f"w13 must be [E_local, 2I, H], got {_describe(w13)}")
+    if w2.dim() != 3:
+        raise ValueError(f"w2 must be [E_local, H, I], got {_describe(w2)}")
     num_local, two_i, hidden = w13.shape
-    _require(hidden == x.shape[1], lambda: f"w13 [E_local, 2I, H] has H = {hidden} but x has H = {x.shape[1]}")
-    _require(two_i % 2 == 0 and two_i > 0, lambda: f"w13's second dim is 2I (gate rows then up rows), got {two_i}")
-    _require(num_local > 0, "w13 has no experts (E_local = 0)")
+    if hidden != x.shape[1]:
+        raise ValueError(f"w13 [E_local, 2I, H] has H = {hidden} but x has H = {x.shape[1]}")
+    if two_i % 2 or two_i <= 0:
+        raise ValueError(f"w13's second dim is 2I (gate rows then up rows), got {two_i}")
+    if num_local <= 0:
+        raise ValueError("w13 has no experts (E_local = 0)")
     intermediate = two_i // 2
-    _require(w2.shape == (num_local, hidden, intermediate),
-             lambda: f"w2 must be [E_local, H, I] = {(num_local, hidden, intermediate)} to match w13, "
-                     f"got {_describe(w2)}")
-    _require(topk_ids.dtype in (torch.int32, torch.int64),
-             lambda: f"topk_ids must be int32 or int64, got {topk_ids.dtype}", TypeError)
-    _require(topk_weights.dtype in (torch.float32, torch.bfloat16, torch.float64),
-             lambda: f"topk_weights must be float32 (bfloat16 accepted), got {topk_weights.dtype}", TypeError)
-    _require(x.dtype in FLOAT_DTYPES, lambda: f"x must be a floating tensor (bfloat16), got {x.dtype}", TypeError)
-    _require(w13.dtype == x.dtype and w2.dtype == x.dtype,
-             lambda: f"x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}", TypeError)
-    devices = {t.device for t in (x, topk_ids, topk_weights, w13, w2)}
-    _require(len(devices) == 1, lambda: f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    for name, t in zip(names, (x, topk_ids, topk_weights, w13, w2)):
-        _require(t.is_contiguous(), lambda: f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    if w2.shape != (num_local, hidden, intermediate):
+        raise ValueError(f"w2 must be [E_local, H, I] = {(num_local, hidden, intermediate)} to match w13, "
+                         f"got {_describe(w2)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        raise TypeError(f"topk_weights must be float32 (bfloat16 accepted), got {topk_weights.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be a floating tensor (bfloat16), got {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    device = x.device
+    if topk_ids.device != device or topk_weights.device != device or w13.device != device or w2.device != device:
+        devices = sorted({str(t.device) for t in tensors})
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+    for name, t in zip(names, tensors):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
 
     rank, world = group_rank_and_size(group)
     num_experts = num_local * world
     top_k = topk_ids.shape[1]
-    _require(top_k >= 1, "topk_ids must have K >= 1 columns")
-    _require(top_k <= num_experts, lambda: f"top_k = {top_k} exceeds the number of experts {num_experts}")
+    if top_k < 1:
+        raise ValueError("topk_ids must have K >= 1 columns")
+    if top_k > num_experts:
+        raise ValueError(f"top_k = {top_k} exceeds the number of experts {num_experts}")
     if check_id_range and topk_ids.numel() and not torch.compiler.is_compiling():
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one sync; skipped under compile
-        _require(low >= -1 and high < num_experts, id_range_message(num_experts, f"values in [{low}, {high}]"))
+        if low < -1 or high >= num_experts:
+            raise ValueError(id_range_message(num_experts, f"values in [{low}, {high}]"))
     return MoEProblem(num_tokens=x.shape[0], top_k=top_k, hidden_size=hidden,
                       intermediate_size=intermediate, num_local_experts=num_local,
                       num_experts=num_experts, expert_begin=rank * num_local)
@@ -148,11 +163,17 @@ FP8_SIZE_MULTIPLE = 128
 MAX_HIDDEN = 8192
 
 
+@functools.cache
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, asked once per device (it builds the device's properties)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def check_fused_support(x: torch.Tensor, hidden: int, intermediate: int, precision: str = "bf16") -> None:
     """Raises before any launch when the kernels cannot run this problem."""
     if x.device.type != "cuda":
         raise ValueError(f"backend='fused' runs on CUDA tensors, got {x.device}; use backend='grouped' on the CPU")
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = _device_capability(x.device)
     if (major, minor) != (9, 0):
         raise NotImplementedError(
             f"backend='fused' needs a Hopper GPU (sm_90, H100/H200), this is sm_{major}{minor}; "
