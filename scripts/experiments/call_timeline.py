@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import megamoe
 import megamoe.fused
-from host_time import STEPS  # the layer's steps, by the module that holds them
+from host_time import TIMELINE_STEPS  # the layer's steps, by the module that holds them
 from megamoe.shapes import PRESETS
 
 
@@ -31,7 +31,7 @@ def mark_steps() -> None:
             with record_function(f"step:{name}"):
                 return fn(*args, **kwargs)
         return run
-    for holder, names in {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("fused_forward", "fused_backward")}.items():
+    for holder, names in TIMELINE_STEPS.items():
         for name in names:
             setattr(holder, name, marked(name, getattr(holder, name)))
 

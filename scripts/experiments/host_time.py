@@ -5,10 +5,12 @@ real calls on the GPU, without the id check's wait (so the host runs ahead of th
 time per call, launches included, on that machine. With --steps (and --gpu), the id check stays, and
 the host time of each step of the layer (the routing plan, each launch's wrapper, the FP8 weight
 cache, the id check's wait) is reported as well, for the no_grad forward the benchmark times and
-for the forward + backward.
+for the forward + backward. With --timeline, calls timed one at a time instead (with --gpu the device
+synchronised before and after each, as the benchmark's single-call figure takes them): when each step
+and the whole forward and backward start and end on the host, µs from the call's start.
 
     python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--precision bf16] [--gpu]
-                                            [--steps]
+                                            [--steps | --timeline]
 
 Prints the median over rounds of the mean time per call, forward and forward + backward.
 """
@@ -52,6 +54,10 @@ STEPS = {megamoe.fused: ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gat
          megamoe.fp8: ("quantized_weight", "transposed_weight"), megamoe.fused.IdRangeCheck: ("raise_if_any",)}
 
 
+# STEPS and the layer's whole forward and backward: what a timeline marks.
+TIMELINE_STEPS = {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("fused_forward", "fused_backward")}
+
+
 def time_steps() -> collections.Counter:
     """Wraps each of STEPS so that its host time adds up in the returned counter (seconds)."""
     spent = collections.Counter()
@@ -68,6 +74,25 @@ def time_steps() -> collections.Counter:
         for name in names:
             setattr(holder, name, timed(name, getattr(holder, name)))
     return spent
+
+
+def mark_steps() -> list:
+    """Wraps each of TIMELINE_STEPS so that its start and end are appended to the returned list as
+    (label, time.perf_counter())."""
+    marks = []
+
+    def marked(name, fn):
+        def run(*args, **kwargs):
+            marks.append((f"{name} starts", time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((f"{name} ends", time.perf_counter()))
+        return run
+    for holder, names in TIMELINE_STEPS.items():
+        for name in names:
+            setattr(holder, name, marked(name, getattr(holder, name)))
+    return marks
 
 
 def per_call_us(fn, calls: int, rounds: int) -> float:
@@ -92,14 +117,17 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true",
                         help="the real calls on the GPU, the id check's wait left out (at most 20 calls a round, "
                              "so the launch queue never fills)")
-    parser.add_argument("--steps", action="store_true",
-                        help="with --gpu: keep the id check and report the host time of each step of a forward "
-                             "and of a forward + backward")
+    steps = parser.add_mutually_exclusive_group()
+    steps.add_argument("--steps", action="store_true",
+                       help="with --gpu: keep the id check and report the host time of each step of a forward "
+                            "and of a forward + backward")
+    steps.add_argument("--timeline", action="store_true",
+                       help="time calls one at a time and print when each step starts and ends on the host")
     args = parser.parse_args()
     if args.steps and not args.gpu:
         parser.error("--steps needs --gpu")
     if args.gpu:
-        if not args.steps:
+        if not (args.steps or args.timeline):
             megamoe.fused.IdRangeCheck = _NoIdCheck
         args.calls = min(args.calls, 20)
     else:
@@ -125,11 +153,11 @@ def main() -> None:
 
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
-    if args.steps:
-        spent = time_steps()
+    if args.steps or args.timeline:
+        recorded, report = (mark_steps(), report_timeline) if args.timeline else (time_steps(), report_steps)
         with torch.no_grad():
-            report_steps(forward, "no_grad forward", spent, args)
-        report_steps(forward_backward, "forward + backward", spent, args)
+            report(forward, "no_grad forward", recorded, args)
+        report(forward_backward, "forward + backward", recorded, args)
         return
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
     print(f"{args.preset}, {args.tokens} tokens, {args.precision}, host time per call ({what}): "
@@ -151,6 +179,29 @@ def report_steps(fn, label: str, spent: collections.Counter, args: argparse.Name
     steps = ", ".join(f"{name} {seconds / calls * 1e6:.1f}" for name, seconds in spent.most_common())
     print(f"{args.preset}, {args.tokens} tokens, {args.precision}, {label}: {wall:.0f} µs per call with "
           f"the GPU; host µs per call by step: {steps} (the rest: {wall - sum(spent.values()) / calls * 1e6:.0f})")
+
+
+def report_timeline(fn, label: str, marks: list, args: argparse.Namespace) -> None:
+    """For calls of fn timed one at a time (marks: mark_steps'), the median µs from a call's start at
+    which each step starts and ends, and the call's total (with the GPU: until the device is done)."""
+    timelines, totals = [], []
+    for i in range(args.calls + 5):  # the first 5 warm up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        marks.clear()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= 5:
+            totals.append(time.perf_counter() - start)
+            timelines.append([(name, t - start) for name, t in marks])
+    names = [name for name, _ in timelines[0]]
+    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, {label}, calls one at a time "
+          f"(µs from the call's start, medians of {len(timelines)}):")
+    for i, name in enumerate(names):
+        print(f"  {statistics.median(timeline[i][1] for timeline in timelines) * 1e6:8.1f}  {name}")
+    print(f"  {statistics.median(totals) * 1e6:8.1f}  call done")
 
 
 if __name__ == "__main__":
