@@ -51,6 +51,27 @@ def test_bench_times_backends_and_writes_the_json_contract(tmp_path):
     assert (tmp_path / "latest.png").stat().st_size > 0
 
 
+def test_bench_with_main_grad_gives_the_weights_fp32_buffers_and_records_it(tmp_path, monkeypatch):
+    """--main-grad: w13 and w2 get fp32 main_grad buffers (where the fused backward adds its weight
+    gradients), and the JSON's settings say so."""
+    from megamoe.bench import runner
+
+    seen = []
+    preset_inputs = runner._preset_inputs
+
+    def recording(*args):
+        x_all, w13, w2 = preset_inputs(*args)
+        seen.extend(getattr(w, "main_grad", None) for w in (w13, w2))
+        return x_all, w13, w2
+    monkeypatch.setattr(runner, "_preset_inputs", recording)
+    assert main([*SMOKE, "--backends", "grouped", "--modes", "fwdbwd", "--main-grad", "--out", str(tmp_path)]) == 0
+    assert read_results(tmp_path)["settings"]["main_grad"] is True
+    tiny = PRESETS["tiny"]
+    shapes = ((tiny.num_experts, 2 * tiny.intermediate_size, tiny.hidden_size),
+              (tiny.num_experts, tiny.hidden_size, tiny.intermediate_size))
+    assert [(g.dtype, tuple(g.shape)) for g in seen] == [(torch.float32, shape) for shape in shapes]
+
+
 def _count_calls(sleep_s):
     calls = []
 

@@ -43,6 +43,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="fwd: forward under no_grad; fwdbwd: forward + y.backward(dy)")
+    parser.add_argument("--main-grad", action="store_true",
+                        help="give w13 and w2 fp32 main_grad buffers (the Megatron-LM convention): the fused "
+                             "backward adds the weight gradients into them instead of writing a bf16 .grad; "
+                             "the other backends ignore them")
     Budget.add_arguments(parser, warmup=5)
     add_out_argument(parser)
     parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
@@ -76,13 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 precisions=list(dict.fromkeys(args.precision)),
                 modes=[m for m in MODES if m in args.modes],  # fwd first, so fwdbwd's memory figure is kept
                 budget=budget,
-                skewed_tokens=list(dict.fromkeys(args.skewed_tokens)))
+                skewed_tokens=list(dict.fromkeys(args.skewed_tokens)),
+                main_grad=args.main_grad)
 
     peaks = measure_peaks(device, budget)
     records = run_plan(plan, device)
     fill_derived(records, peaks.bf16_tflops)
     settings = {"device": args.device, "warmup": args.warmup, "warmup_s": args.warmup_seconds, "repeat": args.repeat,
-                "budget_s": args.budget}
+                "budget_s": args.budget, "main_grad": args.main_grad}
     result = build_result(records, peaks, device.name(), argv, settings)
     paths = write_json(result, args.out)
     print_table(result)

@@ -59,6 +59,7 @@ class Plan:
     modes: Sequence[str]
     budget: Budget
     skewed_tokens: Sequence[int] = ()  # those of `tokens` also measured with skewed routing
+    main_grad: bool = False  # w13 and w2 get fp32 main_grad buffers (fused adds its weight gradients there)
 
     def cases(self) -> list[tuple[int, str]]:
         """(tokens, routing) pairs in the order they run."""
@@ -80,7 +81,7 @@ def _run_plan(plan: Plan, device: Device) -> list[Record]:
     for preset in plan.presets:
         shape = PRESETS[preset]
         _describe(progress, f"{preset}: generating inputs")
-        x_all, w13, w2 = _preset_inputs(shape, max(t for t, _ in plan.cases()), device.device)
+        x_all, w13, w2 = _preset_inputs(shape, max(t for t, _ in plan.cases()), device.device, plan.main_grad)
         for tokens, routing in plan.cases():
             sets = _operand_sets(shape, tokens, routing, x_all, w13, w2)
             dy = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(DY_SEED))
@@ -105,10 +106,13 @@ def _describe(progress, text: str) -> None:
         progress.set_postfix_str(text)
 
 
-def _preset_inputs(shape: MoEShape, max_tokens: int, device: torch.device):
+def _preset_inputs(shape: MoEShape, max_tokens: int, device: torch.device, main_grad: bool = False):
     """x rows for every input set of the largest case (set s of a case with T tokens takes rows
-    [s·max_tokens, s·max_tokens + T)), w13 and w2: one make_inputs call per preset."""
+    [s·max_tokens, s·max_tokens + T)), w13 and w2 (with main_grad, each with an fp32 `main_grad`
+    buffer): one make_inputs call per preset."""
     x_all, _, _, w13, w2 = make_inputs(shape, INPUT_SETS * max_tokens, device=device)
+    for w in (w13, w2) if main_grad else ():
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
     return x_all, w13.requires_grad_(), w2.requires_grad_()
 
 
