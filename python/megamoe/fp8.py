@@ -149,10 +149,19 @@ class QuantizedWeight:
             self._transposed = (_transposed_values(self.q), self.scales.transpose(1, 2).contiguous())
         return self._transposed
 
+    def _copies(self) -> list[torch.Tensor]:
+        """The tensors made so far: either copy, or both, each with its scales."""
+        return [t for t in (self.q, self.scales, *(self._transposed or ())) if t is not None]
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the copies lie (None before any is made)."""
+        copies = self._copies()
+        return copies[0].device if copies else None
+
     def nbytes(self) -> int:
         """Device bytes held: the copies made so far and their scales."""
-        tensors = (self.q, self.scales, *(self._transposed or ()))
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._copies())
 
 
 def _transposed_values(q: torch.Tensor) -> torch.Tensor:
@@ -247,7 +256,7 @@ def cache_bytes(device: torch.device | str | None = None) -> int:
     per 128x128 block for each copy's scales."""
     device = None if device is None else torch.device(device)
     return sum(entry.nbytes() for _, entry in _CACHE.values()
-               if device is None or _same_device(entry.q.device, device))
+               if device is None or (entry.device is not None and _same_device(entry.device, device)))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

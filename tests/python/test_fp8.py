@@ -345,6 +345,7 @@ def test_a_backward_without_a_forward_copy_quantises_straight_into_the_transpose
     want_q, want_scales = fp8.quantize_blocks(w.transpose(1, 2))
     assert torch.equal(qt.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales_t, want_scales)
     assert fp8.cache_bytes() == w.numel() + 4 * (2 * 3 * 2)  # one copy: a byte per value, 4 per block
+    assert fp8.cache_bytes("cpu") == fp8.cache_bytes() and fp8.cache_bytes("meta") == 0
     assert fp8.transposed_weight(w)[0] is qt
     forward = fp8.quantized_weight(w)
     assert torch.equal(forward.q.view(torch.uint8), fp8.quantize_blocks(w)[0].view(torch.uint8))
