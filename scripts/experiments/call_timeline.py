@@ -19,21 +19,18 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import megamoe
 import megamoe.fused
-from host_time import TIMELINE_STEPS  # the layer's steps, by the module that holds them
+from host_time import TIMELINE_STEPS, wrap_steps  # the layer's steps, by the module that holds them
 from megamoe.shapes import PRESETS
 
 
 def mark_steps() -> None:
-    """Each step of host_time.STEPS, and the whole forward and backward, runs under a record_function
-    of its name."""
+    """Each step of host_time.TIMELINE_STEPS runs under a record_function of its name."""
     def marked(name, fn):
         def run(*args, **kwargs):
             with record_function(f"step:{name}"):
                 return fn(*args, **kwargs)
         return run
-    for holder, names in TIMELINE_STEPS.items():
-        for name in names:
-            setattr(holder, name, marked(name, getattr(holder, name)))
+    wrap_steps(TIMELINE_STEPS, marked)
 
 
 def main() -> None:

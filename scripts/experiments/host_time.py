@@ -58,6 +58,13 @@ STEPS = {megamoe.fused: ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gat
 TIMELINE_STEPS = {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("fused_forward", "fused_backward")}
 
 
+def wrap_steps(steps: dict, wrapper) -> None:
+    """Replaces each step of `steps` ({holder: names}) by wrapper(name, step)."""
+    for holder, names in steps.items():
+        for name in names:
+            setattr(holder, name, wrapper(name, getattr(holder, name)))
+
+
 def time_steps() -> collections.Counter:
     """Wraps each of STEPS so that its host time adds up in the returned counter (seconds)."""
     spent = collections.Counter()
@@ -70,9 +77,7 @@ def time_steps() -> collections.Counter:
             finally:
                 spent[name] += time.perf_counter() - start
         return run
-    for holder, names in STEPS.items():
-        for name in names:
-            setattr(holder, name, timed(name, getattr(holder, name)))
+    wrap_steps(STEPS, timed)
     return spent
 
 
@@ -89,9 +94,7 @@ def mark_steps() -> list:
             finally:
                 marks.append((f"{name} ends", time.perf_counter()))
         return run
-    for holder, names in TIMELINE_STEPS.items():
-        for name in names:
-            setattr(holder, name, marked(name, getattr(holder, name)))
+    wrap_steps(TIMELINE_STEPS, marked)
     return marks
 
 
