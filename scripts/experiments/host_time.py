@@ -7,7 +7,9 @@ the host time of each step of the layer (the routing plan, each launch's wrapper
 cache, the id check's wait) is reported as well, for the no_grad forward the benchmark times and
 for the forward + backward. With --timeline, calls timed one at a time instead (with --gpu the device
 synchronised before and after each, as the benchmark's single-call figure takes them): when each step
-and the whole forward and backward start and end on the host, µs from the call's start.
+(the input checks, each launch's wrapper and the native call inside it) and the whole forward and
+backward start and end on the host, µs from the call's start, for a no_grad forward, a forward
+recorded for autograd whose output is dropped, and a forward + backward.
 
     python scripts/experiments/host_time.py [--preset qwen3-30b-a3b] [--tokens 1024] [--precision bf16] [--gpu]
                                             [--steps | --timeline]
@@ -54,8 +56,12 @@ STEPS = {megamoe.fused: ("_plan", "dispatch", "dispatch_fp8", "gated_gemm", "gat
          megamoe.fp8: ("quantized_weight", "transposed_weight"), megamoe.fused.IdRangeCheck: ("raise_if_any",)}
 
 
-# STEPS and the layer's whole forward and backward: what a timeline marks.
-TIMELINE_STEPS = {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("fused_forward", "fused_backward")}
+# What a timeline marks: STEPS, the input checks, the routing build, the id check's set-up and the
+# layer's whole forward and backward (host_time's own timeline marks each native call as well).
+TIMELINE_STEPS = {**STEPS, megamoe.fused: STEPS[megamoe.fused] + ("build_routing", "IdRangeCheck", "fused_forward",
+                                                                 "fused_backward"),
+                  megamoe.functional: ("check_options", "check_moe_inputs", "check_fused_support",
+                                       "fused_moe_autograd")}
 
 
 def wrap_steps(steps: dict, wrapper) -> None:
@@ -95,6 +101,15 @@ def mark_steps() -> list:
                 marks.append((f"{name} ends", time.perf_counter()))
         return run
     wrap_steps(TIMELINE_STEPS, marked)
+    call = _native.call
+
+    def marked_call(entry, *args, **kwargs):  # a launch's own cost, apart from its wrapper's Python
+        marks.append((f"{entry} starts", time.perf_counter()))
+        try:
+            return call(entry, *args, **kwargs)
+        finally:
+            marks.append((f"{entry} ends", time.perf_counter()))
+    _native.call = marked_call
     return marks
 
 
@@ -154,12 +169,17 @@ def main() -> None:
         forward().backward(dy)
         x.grad = weights.grad = None
 
+    def forward_only():  # recorded for autograd, the graph dropped with the output
+        forward()
+
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
     if args.steps or args.timeline:
         recorded, report = (mark_steps(), report_timeline) if args.timeline else (time_steps(), report_steps)
         with torch.no_grad():
             report(forward, "no_grad forward", recorded, args)
+        if args.timeline:
+            report(forward_only, "forward recorded for autograd, no backward", recorded, args)
         report(forward_backward, "forward + backward", recorded, args)
         return
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
