@@ -19,6 +19,7 @@ Prints the median over rounds of the mean time per call, forward and forward + b
 
 import argparse
 import collections
+import functools
 import statistics
 import time
 
@@ -92,24 +93,15 @@ def mark_steps() -> list:
     (label, time.perf_counter())."""
     marks = []
 
-    def marked(name, fn):
-        def run(*args, **kwargs):
-            marks.append((f"{name} starts", time.perf_counter()))
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                marks.append((f"{name} ends", time.perf_counter()))
-        return run
-    wrap_steps(TIMELINE_STEPS, marked)
-    call = _native.call
-
-    def marked_call(entry, *args, **kwargs):  # a launch's own cost, apart from its wrapper's Python
-        marks.append((f"{entry} starts", time.perf_counter()))
+    def marked(label, fn, *args, **kwargs):
+        marks.append((f"{label} starts", time.perf_counter()))
         try:
-            return call(entry, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            marks.append((f"{entry} ends", time.perf_counter()))
-    _native.call = marked_call
+            marks.append((f"{label} ends", time.perf_counter()))
+    wrap_steps(TIMELINE_STEPS, lambda name, fn: functools.partial(marked, name, fn))
+    call = _native.call  # each launch marked by its entry point: its own cost, apart from its wrapper's Python
+    _native.call = lambda entry, *args, **kwargs: marked(entry, call, entry, *args, **kwargs)
     return marks
 
 
@@ -169,9 +161,6 @@ def main() -> None:
         forward().backward(dy)
         x.grad = weights.grad = None
 
-    def forward_only():  # recorded for autograd, the graph dropped with the output
-        forward()
-
     for fn in (forward, forward_backward):
         per_call_us(fn, args.calls, 1)  # warm-up
     if args.steps or args.timeline:
@@ -179,7 +168,7 @@ def main() -> None:
         with torch.no_grad():
             report(forward, "no_grad forward", recorded, args)
         if args.timeline:
-            report(forward_only, "forward recorded for autograd, no backward", recorded, args)
+            report(forward, "forward recorded for autograd, no backward", recorded, args)
         report(forward_backward, "forward + backward", recorded, args)
         return
     what = "real calls on the GPU, no id-check wait" if args.gpu else "native calls stubbed out"
