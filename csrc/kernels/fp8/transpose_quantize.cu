@@ -63,26 +63,30 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
 
   // 1. Stage. Thread t loads chunk t % kChunksPerRow of rows t / kChunksPerRow + kRowsPerPass i:
   // first every source row, then every chunk, so the loads of each kind are in flight together.
-  const int64_t row0 = int64_t(block_row) * kTile;
+  // Source rows and offsets in 32 bits (routes and pool rows are int32), widened by one unsigned
+  // multiply per load (a real row is >= 0).
+  const int row0 = block_row * kTile;
   const int chunk = int(threadIdx.x) % kChunksPerRow;
-  int64_t src_row[kStagedChunks];
+  int32_t src_row[kStagedChunks];  // -1 for a padding row
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
     src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
     if (slot_to_route != nullptr) {
       const int32_t route = slot_to_route[src_row[i]];
-      int token = -1, k = 0;
-      if (route >= 0) top_k(token, k, route);  // a multiply-high, not a division
-      src_row[i] = token;
+      const int32_t token = top_k.div(max(route, 0));  // a multiply-high, not a division
+      src_row[i] = route >= 0 ? token : -1;
     }
   }
+  const uint4* src_tile = src + col_tile * kChunksPerRow + chunk;  // this thread's chunk of source row 0
+  const float* col_scales = E4m3 ? src_scales + int64_t(col_tile) * scale_rows : nullptr;
+  const int row_chunks = cols / kValuesPerChunk;
   uint4 staged[kStagedChunks];
   float row_scale[kStagedChunks];
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
     const bool real = src_row[i] >= 0;
-    staged[i] = real ? src[(src_row[i] * cols + col0) / kValuesPerChunk + chunk] : make_uint4(0, 0, 0, 0);
-    if constexpr (E4m3) row_scale[i] = real ? src_scales[int64_t(col_tile) * scale_rows + src_row[i]] : 0.f;
+    staged[i] = real ? src_tile[uint64_t(uint32_t(src_row[i])) * uint32_t(row_chunks)] : make_uint4(0, 0, 0, 0);
+    if constexpr (E4m3) row_scale[i] = real ? col_scales[src_row[i]] : 0.f;
   }
 #pragma unroll
   for (int i = 0; i < kStagedChunks; ++i) {
@@ -144,9 +148,9 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
     for (int w = 0; w < kQuarterRows / 4; ++w) {
       float v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&held[4 * w + i]));
-        v[i] = c ? f.y : f.x;
+      for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of its fp32
+        const uint32_t pair = held[4 * w + i];
+        v[i] = __uint_as_float(c ? pair & 0xffff0000u : pair << 16);
       }
       words[w] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
     }
@@ -163,10 +167,11 @@ transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_
   __syncthreads();
 
   // 3. Write: chunk j of the e4m3 tile is bytes [16 (j % 8), +16) of column j / 8's 128 rows.
+  uint4* q_tile = q_t + int64_t(col0) * (rows / 16) + block_row * (kTile / 16);  // the tile's first line
 #pragma unroll
   for (int i = 0; i < kOutChunks; ++i) {
     const int j = i * kThreads + int(threadIdx.x), column = j / (kTile / 16);
-    q_t[((col0 + column) * rows + row0) / 16 + j % (kTile / 16)] = *out_chunk(column, j % (kTile / 16));
+    q_tile[int64_t(column) * (rows / 16) + j % (kTile / 16)] = *out_chunk(column, j % (kTile / 16));
   }
 }
 
