@@ -29,7 +29,7 @@
 //   dz transposed for dW13 = dzᵀ·x, one scale per column and 128 rows (the pool block), and hp
 //   transposed for dW2 = dyᵀ·hp, one scale per 128 x 128 block: the 4 lanes of a quad take a column
 //   pair of their warpgroup's 64 rows, and the two warpgroups meet at a named barrier to exchange
-//   their amaxes (hp's kept from the values computed); the e4m3 columns go straight to global
+//   their amaxes (hp's kept from the values staged); the e4m3 columns go straight to global
 //   memory, 64 contiguous bytes per column and quad.
 // Its bf16 dz and hp are stored only when asked for.
 #pragma once
@@ -191,7 +191,7 @@ struct GatedBackwardEpilogue {
     const int first_stage = state.stage;  // the tile's chunks come through consecutive stages
     const auto stage_of = [&](int c) { return (first_stage + c) % Stages; };
     float dp[2] = {0.f, 0.f};
-    RowAmax dg_amax, du_amax, hp_amax;  // block FP8: over the current 128-column block
+    RowAmaxBf16 dg_amax, du_amax, hp_amax;  // block FP8: over the current 128-column block
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       Barrier::wait(smem.full(state.stage), state.phase);
@@ -234,16 +234,16 @@ struct GatedBackwardEpilogue {
             out_dg[i] = Act::chain(dhw * ui, act);
             out_du[i] = dhw * act.value;
             out_hp[i] = pw * hv;
-            if constexpr (kQuantizeDz) {  // a dead row's amax is dropped in store_dz_fp8
-              dg_amax.add(h, out_dg[i]);
-              du_amax.add(h, out_du[i]);
-              hp_amax.add(h, out_hp[i]);
-            }
           }
           const uint32_t keep = rows.live(h) ? ~0u : 0u;  // a dead row's values are zeroed as packed pairs
           dg[q] = pack_bf16x2(out_dg[0], out_dg[1]) & keep;
           du[q] = pack_bf16x2(out_du[0], out_du[1]) & keep;
           hp[q] = pack_bf16x2(out_hp[0], out_hp[1]) & keep;
+          if constexpr (kQuantizeDz) {  // over the staged values: a dead row's zeros
+            dg_amax.add(h, dg[q]);
+            du_amax.add(h, du[q]);
+            hp_amax.add(h, hp[q]);
+          }
         }
         stage_packed_pair(dg, g_dg, pair);  // the same addresses this warp just read: no other warp's rows
         stage_packed_pair(du, u_du, pair);
@@ -265,11 +265,9 @@ struct GatedBackwardEpilogue {
       if (c % kChunksPerPartial == kChunksPerPartial - 1) write_dp_partial(p, dp, t, warpgroup, col / 128);
       if constexpr (kQuantizeDz) {
         if (c % 2 == 1) {
-          store_columns_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, c / 2, col - kEpiCols,
-                            live_amax(hp_amax, rows));
-          store_dz_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, col - kEpiCols, live_amax(dg_amax, rows),
-                       live_amax(du_amax, rows));
-          dg_amax = du_amax = hp_amax = RowAmax{};
+          store_columns_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, c / 2, col - kEpiCols, hp_amax);
+          store_dz_fp8(p, smem, stage_of(c - 1), stage_of(c), warpgroup, t, col - kEpiCols, dg_amax, du_amax);
+          dg_amax = du_amax = hp_amax = RowAmaxBf16{};
         }
       }
     }
@@ -281,19 +279,12 @@ struct GatedBackwardEpilogue {
     }
   }
 
-  // The amax of a dead row's zeros: 0, whatever the values computed for it before they were dropped.
-  __device__ static RowAmax live_amax(RowAmax part, const Rows& rows) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) part.amax[h] = rows.live(h) ? part.amax[h] : 0.f;
-    return part;
-  }
-
   // Block FP8: dg and du of the 128 columns from col0 (chunk stages first and second) in e4m3, in
   // the first stage, stored with their row scales. Each warp reads, writes and stores its own 16
   // rows: only its first chunk's bf16 dz stores, if any, have to have left that stage.
   template <class Smem>
   __device__ static void store_dz_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
-                                      const PoolTile& t, int col0, RowAmax dg_amax, RowAmax du_amax) {
+                                      const PoolTile& t, int col0, RowAmaxBf16 dg_amax, RowAmaxBf16 du_amax) {
     const bool leader = threadIdx.x % 32 == 0;
     if (p.store_dz) {  // the first chunk's bf16 dz stores are done (the second's may not be)
       if (leader) cute::tma_store_wait<1>();
@@ -329,10 +320,10 @@ struct GatedBackwardEpilogue {
   // at a time (a word block) by a warp (StagedColumnGroup): dz's word block b is half b / 8 (dg or
   // du) of chunk (b / 4) % 2, hp's chunk b / 4. The warpgroups exchange dz's amaxes through the two
   // stages' A-scale slots, which a z chunk's stage does not use, and each warp's hp amax (hp_part:
-  // the thread's, over its live rows) through the exchange words.
+  // the thread's, over the pairs it staged) through the exchange words.
   template <class Smem>
   __device__ static void store_columns_fp8(const Params& p, const Smem& smem, int first, int second, int warpgroup,
-                                           const PoolTile& t, int block, int col0, RowAmax hp_part) {
+                                           const PoolTile& t, int block, int col0, RowAmaxBf16 hp_part) {
     constexpr int kMathBarrier = 1, kWarpgroupBarrier = 2;  // named barriers: both warpgroups, one (+ warpgroup)
     constexpr int kDzBlocks = 16, kHpBlocks = 8, kWordsPerChunkRow = kEpiCols / 2;
     const int warp = int(threadIdx.x / 32) % 4, lane = int(threadIdx.x % 32);
@@ -348,7 +339,7 @@ struct GatedBackwardEpilogue {
     // first, so every warp has read the last tile's.
     if constexpr (kChunks == 2) sync_threads(kMathBarrier, 256);
     const uint32_t hp_words = cute::cast_smem_ptr_to_uint(smem.exchange() + block % 2 * kMathWarps);
-    const float hp_amax = fp8::lanes_max_nan<32>(fp8::max_nan(hp_part.amax[0], hp_part.amax[1]));
+    const float hp_amax = fp8::lanes_max_nan<32>(hp_part.of_thread());
     sync_threads(kWarpgroupBarrier + warpgroup, 128);  // every warp of the warpgroup has staged its rows
 #pragma unroll 1
     for (int b = warp * (kDzBlocks / 4); b < (warp + 1) * (kDzBlocks / 4); ++b) {
@@ -362,21 +353,30 @@ struct GatedBackwardEpilogue {
     for (int w = 0; w < kMathWarps; ++w) {
       hp_block_amax = fp8::max_nan(hp_block_amax, __uint_as_float(load_shared_u32(hp_words + w * 4)));
     }
-    // The amax of the bf16 values: rounding is monotonic (quantize_block.cuh).
-    const float hp_scale = fp8::block_scale(__bfloat162float(__float2bfloat16_rn(hp_block_amax)));
+    const float hp_scale = fp8::block_scale(hp_block_amax);
     const int64_t row0 = int64_t(t.block) * kBlockM + warpgroup * kWarpgroupRows;
-#pragma unroll 1
-    for (int b = warp * (kDzBlocks / 4); b < (warp + 1) * (kDzBlocks / 4); ++b) {
+    // A word block's two column scales and their inverses. The next block's are taken after this
+    // one's columns are stored, in the same straight-line code, so that the divisions' latency (each
+    // ends in a branch to its slow path) overlaps the stores instead of following them.
+    const auto dz_scales = [&](int b) {
       const float2 column_amax = fp8::abs_halves(
           fp8::abs_max_nan_bf16x2(load_shared_u32(dz_slot(0, b)), load_shared_u32(dz_slot(1, b))));
-      const float2 dz_scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
+      const float2 scale = make_float2(fp8::block_scale(column_amax.x), fp8::block_scale(column_amax.y));
+      return make_float4(scale.x, scale.y, fp8::inverse(scale.x), fp8::inverse(scale.y));
+    };
+    const int first_b = warp * (kDzBlocks / 4), last_b = first_b + kDzBlocks / 4;
+    float4 dz_scale = dz_scales(first_b);
+#pragma unroll 1
+    for (int b = first_b; b < last_b; ++b) {
       const int pair = (b / 4) % 2 * kWordsPerChunkRow + b % 4 * 8 + lane / 4;
       const int dz_column = b / 8 * p.intermediate + col0 + 2 * pair;
       uint8_t* dz_out = p.dz_t + int64_t(dz_column) * p.pool_rows + row0;
-      dz_columns(b).store_e4m3(fp8::inverse(dz_scale.x), fp8::inverse(dz_scale.y), dz_out, dz_out + p.pool_rows);
+      dz_columns(b).store_e4m3(dz_scale.z, dz_scale.w, dz_out, dz_out + p.pool_rows);
       if (warpgroup == 0 && lane % 4 == 0) {
-        *reinterpret_cast<float2*>(p.dz_t_scales + int64_t(t.block) * 2 * p.intermediate + dz_column) = dz_scale;
+        *reinterpret_cast<float2*>(p.dz_t_scales + int64_t(t.block) * 2 * p.intermediate + dz_column) =
+            make_float2(dz_scale.x, dz_scale.y);
       }
+      dz_scale = dz_scales(min(b + 1, last_b - 1));  // the last block's again after the last one
     }
     const float hp_inverse = fp8::inverse(hp_scale);
 #pragma unroll 1

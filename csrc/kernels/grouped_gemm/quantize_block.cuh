@@ -2,10 +2,9 @@
 // columns (epilogue.cuh's swizzled chunk layout), quantised to e4m3 with one scale per row: the
 // block-FP8 recipe of kernels/fp8/e4m3.cuh applied to the staged bf16 values, so the bytes and
 // scales are those megamoe_quantize_rows_fp8 makes of the same rows. The caller gives each thread's
-// amax over its values of the block, taken in fp32 before they were rounded to bf16: rounding is
-// monotonic, so the bf16 rounding of that amax is the amax of the bf16 values. The e4m3 block lands
-// in the swizzle of a 128-byte-wide TMA box; it may overwrite the first chunk, since each warp reads
-// all of its 16 rows of that chunk before it writes them (and touches no other warp's rows).
+// amax over the packed bf16 pairs it staged (RowAmaxBf16). The e4m3 block lands in the swizzle of a
+// 128-byte-wide TMA box; it may overwrite the first chunk, since each warp reads all of its 16 rows
+// of that chunk before it writes them (and touches no other warp's rows).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,15 +24,28 @@ struct RowAmax {
   __device__ float of_row(int half) const { return fp8::lanes_max_nan<4>(amax[half]); }
 };
 
+// The same over bf16 pairs as they are staged, one instruction per pair (fp8::abs_max_nan_bf16x2):
+// the amax of the bf16 values, which is the bf16 rounding of their fp32 amax (rounding is monotonic).
+struct RowAmaxBf16 {
+  uint32_t pairs[2] = {0u, 0u};  // per row half, both halves of each pair running
+  __device__ void add(int half, uint32_t packed) { pairs[half] = fp8::abs_max_nan_bf16x2(pairs[half], packed); }
+  __device__ float of_thread(int half) const {
+    const float2 both = fp8::abs_halves(pairs[half]);
+    return fp8::max_nan(both.x, both.y);
+  }
+  __device__ float of_row(int half) const { return fp8::lanes_max_nan<4>(of_thread(half)); }
+  __device__ float of_thread() const { return fp8::max_nan(of_thread(0), of_thread(1)); }
+};
+
 // Returns the scales of the thread's two fragment rows (row half 0, row half 8); every lane of a
 // row's quad gets them.
-__device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* second, uint8_t* out, RowAmax part) {
+__device__ __forceinline__ float2 quantize_block_e4m3(uint8_t* first, uint8_t* second, uint8_t* out,
+                                                      RowAmaxBf16 part) {
   constexpr int kPairs = kEpiCols / 16;
   float scale[2], inverse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float amax = __bfloat162float(__float2bfloat16_rn(part.of_row(h)));  // the amax of the staged bf16 values
-    scale[h] = fp8::block_scale(amax);
+    scale[h] = fp8::block_scale(part.of_row(h));
     inverse[h] = fp8::inverse(scale[h]);
   }
   // The first chunk's values, all read before any of its rows is written.
@@ -77,15 +89,17 @@ struct StagedColumnGroup {
   uint32_t row_address[8];  // step r < 8 reads row r ^ order of the group; step r + 8 the row 8 below
   uint32_t order;           // 2 (lane % 4)
 
+  // Row r ^ order of the group starts at row * 128 and holds the word in 16-byte unit (word / 4) ^ row:
+  // for rows and units below 8 that offset is (row * 144) ^ ((word / 4) * 16), bits 4-9, which the
+  // chunk's 1024-aligned address with the group's 16 rows and the word's 4 bytes leaves clear, so each
+  // row's address is one xor: (base | (order * 144) ^ ((word / 4) * 16)) ^ (r * 144).
   __device__ StagedColumnGroup(const uint8_t* chunk_rows, int word0) {
     const int lane = int(threadIdx.x % 32), group = lane % 4, word = word0 + lane / 4;
     order = 2 * group;
     const uint32_t base = cute::cast_smem_ptr_to_uint(chunk_rows) + group * 16 * kSwizzleBytes + (word % 4) * 4;
+    const uint32_t first_row = base | ((order * 144u) ^ uint32_t(word / 4) * 16u);
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const uint32_t row = r ^ order;
-      row_address[r] = base + row * kSwizzleBytes + (((word / 4) ^ row) * 16);
-    }
+    for (int r = 0; r < 8; ++r) row_address[r] = first_row ^ uint32_t(r * 144);
   }
   __device__ uint32_t at(int step) const {  // step < 16 a constant after unrolling
     return load_shared_u32(row_address[step % 8] + (step / 8) * 8 * kSwizzleBytes);
