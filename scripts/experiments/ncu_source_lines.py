@@ -22,21 +22,22 @@ def read_lines(path: Path) -> list[tuple[str, int, dict[str, float]]]:
     """(file, line, metrics) per source line. The source text can break the CSV quoting, so a line's
     metrics are read from the end of its row, where the header puts them."""
     lines, file, header = [], "", []
-    for row in csv.reader(path.open()):
-        if not row:
-            continue
-        if row[0] == "File Path":
-            file = row[1]
-        elif row[0] == "Line No":
-            header = row[2:]
-        elif row[0].isdigit() and header:
-            metrics = {}
-            for name, value in zip(header, row[-len(header):]):
-                try:
-                    metrics[name] = float(value)
-                except ValueError:
-                    pass
-            lines.append((file, int(row[0]), metrics))
+    with path.open() as text:
+        for row in csv.reader(text):
+            if not row:
+                continue
+            if row[0] == "File Path":
+                file = row[1]
+            elif row[0] == "Line No":
+                header = row[2:]
+            elif row[0].isdigit() and header:
+                metrics = {}
+                for name, value in zip(header, row[-len(header):]):
+                    try:
+                        metrics[name] = float(value)
+                    except ValueError:
+                        pass
+                lines.append((file, int(row[0]), metrics))
     return lines
 
 
