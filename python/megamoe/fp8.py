@@ -7,6 +7,7 @@ ops with the same results."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -64,13 +65,15 @@ def _check_block_sizes(n: int, k: int) -> None:
         raise ValueError(f"N and K must be multiples of {BLOCK} for {BLOCK}x{BLOCK} scales, got {n} and {k}")
 
 
-def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """b [E, N, K] -> (e4m3 [E, N, K], scales fp32 [E, N / 128, K / 128])."""
+def quantize_blocks(b: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """b [E, N, K] -> (e4m3 [E, N, K], scales fp32 [E, N / 128, K / 128]), written into `out` if given
+    (contiguous tensors of those shapes and dtypes, on b's device)."""
     e, n, k = b.shape
     _check_block_sizes(n, k)
     if _on_core(b) and b.data_ptr() % 16 == 0:
-        q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=b.device)
-        scales = torch.empty(e, n // BLOCK, k // BLOCK, dtype=torch.float32, device=b.device)
+        q, scales = out or (torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=b.device),
+                            torch.empty(e, n // BLOCK, k // BLOCK, dtype=torch.float32, device=b.device))
         _native.call("megamoe_quantize_blocks_fp8", "quantize_blocks",
                      _native.QuantizeFp8Args(b.data_ptr(), q.data_ptr(), scales.data_ptr(), e * n, k, 0),
                      _native.stream(b.device))
@@ -78,18 +81,29 @@ def quantize_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = b.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scales = _scales(blocks.abs().amax(dim=(2, 4)))
     q = (blocks * (1 / scales)[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
-    return q, scales.contiguous()
+    return _into(out, q, scales.contiguous())
 
 
-def quantize_blocks_transposed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _into(out: tuple[torch.Tensor, ...] | None, *made: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """made, or copied into out."""
+    if out is None:
+        return made
+    for held, value in zip(out, made):
+        held.copy_(value)
+    return out
+
+
+def quantize_blocks_transposed(w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, N, K] -> (e4m3 [E, K, N], scales fp32 [E, K / 128, N / 128]): quantize_blocks of
-    w.transpose(1, 2), with w read once (a 128 x 128 block transposes into one with the same scale)."""
+    w.transpose(1, 2), with w read once (a 128 x 128 block transposes into one with the same scale);
+    written into `out` if given."""
     e, n, k = w.shape
     _check_block_sizes(n, k)
     if not (_on_core(w) and w.data_ptr() % 16 == 0):
-        return quantize_blocks(w.transpose(1, 2).contiguous())
-    q_t = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
-    scales_t = torch.empty(e, k // BLOCK, n // BLOCK, dtype=torch.float32, device=w.device)
+        return quantize_blocks(w.transpose(1, 2).contiguous(), out)
+    q_t, scales_t = out or (torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device),
+                            torch.empty(e, k // BLOCK, n // BLOCK, dtype=torch.float32, device=w.device))
     _native.call("megamoe_quantize_blocks_transposed_fp8", "quantize_blocks_transposed",
                  _native.QuantizeBlocksTransposedFp8Args(w.data_ptr(), q_t.data_ptr(), scales_t.data_ptr(), e, n, k),
                  _native.stream(w.device))
@@ -128,6 +142,11 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # weight (the same memory, shape and strides, e.g. the detached copy that activation checkpointing
 # hands the backward in place of the parameter) shares its entry: _OWNERS finds the weight from where
 # it lies, and while that weight is alive no other tensor can lie there.
+# A CUDA graph captured inside cached_weights_in_graphs() while an entry is valid reads that entry's
+# copies by address (the capture quantises nothing of its own): such an entry is held by the graph, so
+# it is never dropped or reallocated; where another entry would be dropped (the optimizer step's hook,
+# clear_weight_cache, a call that finds the weight changed) a held one is quantised again in place,
+# from the weight as it is. Any other capture quantises the weights in the graph, on every replay.
 
 
 @dataclasses.dataclass(eq=False)
@@ -139,6 +158,7 @@ class QuantizedWeight:
     q: torch.Tensor | None
     scales: torch.Tensor | None
     _transposed: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    held_by_graph: bool = False  # a captured CUDA graph reads these copies: refreshed in place, never dropped
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 [E, K, N], scales fp32 [E, K/128, N/128]): the copy of w.transpose(1, 2), made once.
@@ -148,6 +168,19 @@ class QuantizedWeight:
         if self._transposed is None:
             self._transposed = (_transposed_values(self.q), self.scales.transpose(1, 2).contiguous())
         return self._transposed
+
+    def refresh(self, w: torch.Tensor) -> None:
+        """Quantises w again into the copies made so far, in place (same memory, so a graph that reads
+        them reads the new values)."""
+        with torch.no_grad():
+            w = w.detach()
+            if self.q is not None:
+                quantize_blocks(w, out=(self.q, self.scales))
+                if self._transposed is not None:
+                    _transposed_values(self.q, out=self._transposed[0])
+                    self._transposed[1].copy_(self.scales.transpose(1, 2))
+            elif self._transposed is not None:
+                quantize_blocks_transposed(w, out=self._transposed)
 
     def _copies(self) -> list[torch.Tensor]:
         """The tensors made so far: either copy, or both, each with its scales."""
@@ -164,13 +197,13 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self._copies())
 
 
-def _transposed_values(q: torch.Tensor) -> torch.Tensor:
-    """q [E, N, K] e4m3 -> [E, K, N]: on a GPU by the core's tiled transpose (a strided torch copy of
-    one-byte elements reads and writes far from the bandwidth), elsewhere by torch."""
+def _transposed_values(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [E, N, K] e4m3 -> [E, K, N] (into `out` if given): on a GPU by the core's tiled transpose (a
+    strided torch copy of one-byte elements reads and writes far from the bandwidth), elsewhere by torch."""
     if not (q.is_cuda and q.is_contiguous() and q.data_ptr() % 16 == 0):
-        return q.transpose(1, 2).contiguous()
+        return _into(None if out is None else (out,), q.transpose(1, 2).contiguous())[0]
     e, n, k = q.shape
-    out = torch.empty(e, k, n, dtype=q.dtype, device=q.device)
+    out = torch.empty(e, k, n, dtype=q.dtype, device=q.device) if out is None else out
     _native.call("megamoe_transpose_fp8", "transpose", _native.TransposeFp8Args(q.data_ptr(), out.data_ptr(), e, n, k),
                  _native.stream(q.device))
     return out
@@ -197,13 +230,9 @@ def _owner_entry(w: torch.Tensor, place: tuple) -> tuple[torch.Tensor, tuple | N
 
 
 def _cacheable(w: torch.Tensor) -> bool:
-    """False under torch.compile, while a CUDA graph is being captured (a replay must quantise the weight
-    as it is then, and a cached copy the graph read could be freed by the next optimizer step), for fake
-    / meta tensors (no storage, no real version) and for inference tensors (no version counter): those
-    are quantised on every call."""
+    """False under torch.compile, for fake / meta tensors (no storage, no real version) and for inference
+    tensors (no version counter): those are quantised on every call."""
     if torch.compiler.is_compiling() or w.is_meta or w.is_inference():
-        return False
-    if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     if is_plain_tensor(w):  # fake tensors are subclasses or functorch wrappers: no need to ask
         return True
@@ -211,24 +240,87 @@ def _cacheable(w: torch.Tensor) -> bool:
     return not is_fake(w)
 
 
+def _capturing(w: torch.Tensor) -> bool:
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _key(w: torch.Tensor, place: tuple) -> tuple:
+    return (w._version, *place)  # the version and where w lies
+
+
+def _keep(owner: torch.Tensor, place: tuple, key: tuple, quantized: QuantizedWeight) -> None:
+    _CACHE[owner] = (key, quantized)
+    _OWNERS[place] = owner  # the owner lies where w does
+
+
+def _refresh_held(w: torch.Tensor, place: tuple, key_then: tuple, quantized: QuantizedWeight) -> None:
+    """A held entry made stale by a change of w: quantised again in place, kept under w's new key."""
+    if (key_then[2], key_then[4], key_then[5]) != (tuple(w.shape), w.dtype, w.device):
+        raise RuntimeError(f"a captured CUDA graph reads the FP8 copy of a {key_then[4]} weight of shape "
+                           f"{key_then[2]} on {key_then[5]}, which is now {w.dtype} {tuple(w.shape)} on "
+                           f"{w.device}: capture the graph again after replacing the weight")
+    quantized.refresh(w)
+    _keep(w, place, _key(w, place), quantized)
+
+
 def _cached(w: torch.Tensor) -> QuantizedWeight:
-    """w's cache entry, made empty (no copy yet) when there is none for w as it is now."""
+    """w's cache entry, made empty (no copy yet) when there is none for w as it is now; a held entry
+    is brought up to date in place instead."""
     place = _place(w)
     owner, entry = _owner_entry(w, place)
-    key = (w._version, *place)  # the version and where w lies
+    key = _key(w, place)
     if entry is not None and entry[0] == key:
+        return entry[1]
+    if entry is not None and entry[1].held_by_graph:
+        _refresh_held(owner, place, entry[0], entry[1])
         return entry[1]
     _CACHE.pop(owner, None)  # the stale copies go before new ones are made: never both at once
     quantized = QuantizedWeight(None, None)
-    _CACHE[owner] = (key, quantized)
-    _OWNERS[place] = owner  # the owner lies where w does
+    _keep(owner, place, key, quantized)
     return quantized
+
+
+_GRAPHS_READ_CACHED_WEIGHTS = False  # process-wide: autograd captures a backward on its own thread
+
+
+@contextlib.contextmanager
+def cached_weights_in_graphs():
+    """CUDA graphs captured inside read the weights' cached block-FP8 copies (made by an eager call
+    before the capture, e.g. torch.cuda.make_graphed_callables' warm-up) instead of quantising the
+    weights on every replay. Those copies are then quantised again in place, from the weights as they
+    are, by every torch.optim optimizer's step(), by clear_weight_cache() and by an eager call that
+    finds a weight changed; so between replays change such weights only through an optimizer, or call
+    clear_weight_cache() after any other change."""
+    global _GRAPHS_READ_CACHED_WEIGHTS
+    before, _GRAPHS_READ_CACHED_WEIGHTS = _GRAPHS_READ_CACHED_WEIGHTS, True
+    try:
+        yield
+    finally:
+        _GRAPHS_READ_CACHED_WEIGHTS = before
+
+
+def _held(w: torch.Tensor) -> QuantizedWeight | None:
+    """While a CUDA graph is captured: w's entry if it is valid and the capture is inside
+    cached_weights_in_graphs() (the graph then reads its copies, and holds it), else None (the graph
+    quantises w itself, on every replay)."""
+    if not (_GRAPHS_READ_CACHED_WEIGHTS and _cacheable(w)):
+        return None
+    place = _place(w)
+    _, entry = _owner_entry(w, place)
+    if entry is None or entry[0] != _key(w, place):
+        return None
+    entry[1].held_by_graph = True
+    return entry[1]
 
 
 def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     """The block-FP8 copies of the weight w [E, N, K] (N and K multiples of 128), from the cache while w
     is unchanged, with the forward's copy (q, scales) made. The copies have no autograd history."""
-    quantized = _cached(w) if _cacheable(w) else QuantizedWeight(None, None)
+    if _capturing(w):
+        quantized = _held(w)
+        quantized = quantized if quantized is not None and quantized.q is not None else QuantizedWeight(None, None)
+    else:
+        quantized = _cached(w) if _cacheable(w) else QuantizedWeight(None, None)
     if quantized.q is None:
         with torch.no_grad():
             quantized.q, quantized.scales = quantize_blocks(w.detach())
@@ -240,7 +332,11 @@ def transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from the cache while w is unchanged. Made from the forward's copy when the forward made one, else
     quantised from w straight into the transposed layout, with no forward copy made (the FP8 backward
     of a bf16 forward, "fp8_bwd", holds one copy instead of two)."""
-    if not _cacheable(w):
+    if _capturing(w):
+        held = _held(w)
+        if held is not None and held._transposed is not None:
+            return held._transposed
+    if _capturing(w) or not _cacheable(w):
         with torch.no_grad():
             return quantize_blocks_transposed(w.detach())
     quantized = _cached(w)
@@ -264,9 +360,13 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def clear_weight_cache() -> None:
-    """Drops every cached copy (their memory returns to the caching allocator)."""
+    """Drops every cached copy (their memory returns to the caching allocator), except those a captured
+    CUDA graph reads: those are quantised again in place from their weights as they are now."""
+    held = [(w, key, quantized) for w, (key, quantized) in _CACHE.items() if quantized.held_by_graph]
     _CACHE.clear()
     _OWNERS.clear()
+    for w, key, quantized in held:
+        _refresh_held(w, _place(w), key, quantized)
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

@@ -1,5 +1,7 @@
 """Every backend against the dense fp64 reference: outputs and all four gradients."""
 
+import functools
+
 import pytest
 import torch
 
@@ -162,25 +164,35 @@ def test_grouped_traces_whole_under_torch_compile():
 
 
 @requires_cuda
-def test_fused_replayed_from_cuda_graphs_equals_eager():
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
+def test_fused_replayed_from_cuda_graphs_equals_eager(precision):
     """The fused layer has no host sync and fixed-size buffers, so CUDA graphs capture its forward
     and backward (the benchmark's fused-graphed): replays on new inputs give the eager output and
-    gradients bit for bit."""
+    gradients bit for bit, also after an optimizer step has changed the weights (in block FP8 the
+    graphs read the weights' cached copies, which the step's hook quantises again in place). The eager
+    side runs on clones of the weights, so it quantises them afresh."""
     from megamoe.bench import backends
     shape = megamoe.PRESETS["qwen3-30b-a3b"]
-    graphed = backends.build("fused-graphed", shape, "bf16", torch.device("cuda"))
+    graphed = backends.build("fused-graphed", shape, precision, torch.device("cuda"))
     _, _, _, w13, w2 = megamoe.make_inputs(shape, 1, device="cuda")
     w13, w2 = leaf(w13), leaf(w2)
-    for seed in range(3):  # the first call captures, the later ones replay on other inputs
+    optimizer = torch.optim.SGD([w13, w2], lr=1e-2)
+    for seed in range(4):  # the first call captures, the later ones replay on other inputs
+        if seed == 2:
+            w13.grad, w2.grad = torch.randn_like(w13), torch.randn_like(w2)
+            optimizer.step()
+            optimizer.zero_grad()
         x, ids, weights, _, _ = megamoe.make_inputs(shape, 256, "skewed", device="cuda", seed=seed)
+        eager_weights = [leaf(w13.detach().clone()), leaf(w2.detach().clone())]
         with torch.no_grad():
-            assert torch.equal(graphed(x, ids, weights, w13, w2), megamoe.moe(x, ids, weights, w13, w2))
+            assert torch.equal(graphed(x, ids, weights, w13, w2),
+                               megamoe.moe(x, ids, weights, *eager_weights, precision=precision))
         dy = torch.randn_like(x)
         grads = []
-        for fn in (graphed, megamoe.moe):
+        for fn, ws in ((graphed, (w13, w2)), (functools.partial(megamoe.moe, precision=precision), eager_weights)):
             leaves = [leaf(x), leaf(weights)]
-            fn(leaves[0], ids, leaves[1], w13, w2).backward(dy)
-            grads.append([t.grad.clone() for t in (*leaves, w13, w2)])
+            fn(leaves[0], ids, leaves[1], *ws).backward(dy)
+            grads.append([t.grad.clone() for t in (*leaves, *ws)])
             w13.grad = w2.grad = None
         for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
             assert torch.equal(got, want), name

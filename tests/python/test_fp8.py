@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -364,6 +366,83 @@ def test_the_memory_figure_counts_both_copies(empty_cache):
     assert fp8.cache_bytes("cpu") == 2 * forward and fp8.cache_bytes("meta") == 0
 
 
+def _captured(monkeypatch, w, read_cached=True):
+    """What a CUDA graph capture of the FP8 layer asks of the cache, inside cached_weights_in_graphs()
+    or not (capture itself needs a GPU: test_backends and test_fp8_layer replay real graphs)."""
+    with monkeypatch.context() as capture:
+        capture.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with fp8.cached_weights_in_graphs() if read_cached else contextlib.nullcontext():
+            return fp8.quantized_weight(w), fp8.transposed_weight(w)
+
+
+@pytest.mark.parametrize("change", ["sgd", "fused_adamw", "clear", "in_place"])
+def test_copies_a_captured_graph_reads_are_quantised_again_in_place(empty_cache, monkeypatch, change):
+    w = torch.nn.Parameter(torch.randn(2, 256, 384) * torch.logspace(-2, 2, 384))
+    made = fp8.quantized_weight(w)
+    made_t = made.transposed()
+    read, read_t = _captured(monkeypatch, w)
+    assert read is made and read_t is made_t and made.held_by_graph
+    addresses = [t.data_ptr() for t in (made.q, made.scales, *made_t)]
+    w.grad = torch.randn_like(w)
+    if change == "sgd":
+        torch.optim.SGD([w], lr=1.0).step()
+    elif change == "fused_adamw":
+        torch.optim.AdamW([w], lr=1.0, fused=True).step()  # no version bump: the step's hook refreshes
+    elif change == "clear":
+        with torch.no_grad():
+            w.data.mul_(3)  # no version bump either
+        fp8.clear_weight_cache()
+    else:
+        with torch.no_grad():
+            w.add_(1)
+        assert fp8.quantized_weight(w) is made  # the eager call finds it stale and refreshes it
+    assert [t.data_ptr() for t in (made.q, made.scales, *made_t)] == addresses
+    want_q, want_scales = fp8.quantize_blocks(w.detach())
+    want_qt, want_scales_t = fp8.quantize_blocks(w.detach().transpose(1, 2))
+    assert torch.equal(made.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(made.scales, want_scales)
+    assert torch.equal(made_t[0].view(torch.uint8), want_qt.view(torch.uint8)) and torch.equal(made_t[1], want_scales_t)
+    assert fp8.quantized_weight(w) is made and fp8.cache_bytes() == made.nbytes()
+
+
+def test_a_captured_backward_only_copy_is_refreshed_alone(empty_cache, monkeypatch):
+    """fp8_bwd: the graph reads the transposed copy alone; refreshed, it stays the only copy."""
+    w = torch.nn.Parameter(torch.randn(1, 128, 256))
+    made_t = fp8.transposed_weight(w)
+    with monkeypatch.context() as capture, fp8.cached_weights_in_graphs():
+        capture.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert fp8.transposed_weight(w) is made_t
+    w.grad = torch.ones_like(w)
+    torch.optim.SGD([w], lr=1.0).step()
+    assert torch.equal(made_t[0].view(torch.uint8), fp8.quantize_blocks(w.detach().transpose(1, 2))[0].view(torch.uint8))
+    assert fp8.cache_bytes() == w.numel() + 4 * 2
+
+
+def test_a_capture_without_a_valid_copy_quantises_in_the_graph_and_caches_nothing(empty_cache, monkeypatch):
+    """A replay then quantises the weight as it is at that replay: the graph holds the quantisation."""
+    w = torch.randn(1, 128, 128)
+    read, read_t = _captured(monkeypatch, w)
+    assert torch.equal(read.q.view(torch.uint8), fp8.quantize_blocks(w)[0].view(torch.uint8))
+    assert torch.equal(read_t[0].view(torch.uint8), fp8.quantize_blocks(w.transpose(1, 2))[0].view(torch.uint8))
+    assert _captured(monkeypatch, w)[0] is not read
+    assert not read.held_by_graph and fp8.cache_bytes() == 0
+    stale = fp8.quantized_weight(w)
+    w.add_(1)
+    assert _captured(monkeypatch, w)[0] is not stale and not stale.held_by_graph
+    valid = fp8.quantized_weight(w)  # valid, but a capture outside cached_weights_in_graphs() ignores it
+    assert _captured(monkeypatch, w, read_cached=False)[0] is not valid and not valid.held_by_graph
+
+
+def test_a_captured_copy_whose_weight_changes_shape_says_to_capture_again(empty_cache, monkeypatch):
+    w = torch.nn.Parameter(torch.randn(1, 128, 128))
+    fp8.quantized_weight(w)
+    _captured(monkeypatch, w)
+    w.data = torch.randn(1, 256, 128)
+    with pytest.raises(RuntimeError, match="capture the graph again"):
+        fp8.quantized_weight(w)
+
+
 def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -374,15 +453,6 @@ def test_nothing_is_cached_for_fake_tensors_or_under_compile(empty_cache, monkey
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert fp8.quantized_weight(real) is not fp8.quantized_weight(real)
     assert fp8.transposed_weight(real)[0] is not fp8.transposed_weight(real)[0]
-    assert fp8.cache_bytes() == 0
-
-
-def test_nothing_is_cached_while_a_cuda_graph_is_captured(empty_cache, monkeypatch):
-    """A replay must quantise the weight as it is then: the capture holds the quantisation, not a copy."""
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    w = torch.randn(1, 128, 128)
-    assert fp8.quantized_weight(w) is not fp8.quantized_weight(w)
     assert fp8.cache_bytes() == 0
 
 

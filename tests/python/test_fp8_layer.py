@@ -120,8 +120,9 @@ def test_fused_fp8_non_finite_rows_stay_in_their_rows():
 
 @requires_cuda
 def test_a_captured_fp8_forward_quantises_the_weights_as_they_are_at_replay():
-    """Under capture the weight cache is bypassed: the graph holds the quantisation, so a replay after an
-    in-place update (an optimizer step) computes with the new weights, as an eager call does."""
+    """A capture outside fp8.cached_weights_in_graphs() bypasses the weight cache: the graph holds the
+    quantisation, so a replay after any in-place update computes with the new weights, as an eager
+    call does."""
     x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64, device="cuda")
     with torch.no_grad():
         megamoe.fused_moe(x, ids, weights, w13, w2, precision="fp8")  # warm-up, and a cached copy of w13

@@ -8,13 +8,14 @@ from collections.abc import Callable
 import torch
 
 import megamoe
+from megamoe import fp8
 from megamoe.shapes import MoEShape
 from megamoe.validation import BACKENDS as MOE_BACKENDS
 
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # megamoe.moe's own backends, fused keeping z alone (recompute="gather") and only its inputs
-# (recompute=True) for the backward, fused replayed from CUDA graphs (bf16), then what users run
+# (recompute=True) for the backward, fused replayed from CUDA graphs, then what users run
 # today: grouped-fp8 is TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
 BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "fused-graphed", "grouped-compiled",
             "hf-grouped_mm", "grouped-fp8")
@@ -22,7 +23,7 @@ BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "fused-g
 # their peak and kept-for-backward figures would not be comparable, so none are recorded.
 GRAPHED_BACKENDS = ("fused-graphed",)
 # The backends that take a precision other than bf16 (the others are recorded as skipped there).
-LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", "grouped-fp8")
+LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", "fused-graphed", "grouped-fp8")
 
 
 # torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
@@ -52,7 +53,7 @@ def build(name: str, shape: MoEShape, precision: str, device: torch.device | Non
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
     if name == "fused-graphed":
-        return _graphed(functools.partial(megamoe.moe, backend="fused"), device)
+        return _graphed(functools.partial(megamoe.moe, backend="fused", precision=precision), device)
     if name.startswith("fused-recompute"):
         recompute = "gather" if name == "fused-recompute-gather" else True
         return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute=recompute)
@@ -65,12 +66,11 @@ def build(name: str, shape: MoEShape, precision: str, device: torch.device | Non
 
 
 def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
-    """fn (bf16) replayed from CUDA graphs, the way a small batch sheds its host and launch time: a
-    forward graph per input shape under no_grad, torch.cuda.make_graphed_callables' forward and
-    backward graphs with grad. Each call copies its x, ids and weights into the graph's own inputs
-    (w13 and w2 are the graph's: the benchmark's sets share them). bf16 only: a captured block-FP8
-    layer quantises its weights on every replay (megamoe.fp8 caches nothing while capturing), which
-    the layer does once per optimizer step when run eagerly."""
+    """fn replayed from CUDA graphs, the way a small batch sheds its host and launch time: a forward
+    graph per input shape under no_grad, torch.cuda.make_graphed_callables' forward and backward graphs
+    with grad. Each call copies its x, ids and weights into the graph's own inputs (w13 and w2 are the
+    graph's: the benchmark's sets share them). In block FP8 the graphs read the weights' cached copies,
+    made by the eager warm-up calls before capture (megamoe.fp8.cached_weights_in_graphs)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda":
@@ -83,8 +83,9 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
                tuple((a.shape, a.dtype, a.requires_grad) for a in args))
         if key not in graphs:
             static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args[:3]) + (w13, w2)
-            graphs[key] = (torch.cuda.make_graphed_callables(fn, static) if torch.is_grad_enabled()
-                           else _forward_graph(fn, static))
+            with fp8.cached_weights_in_graphs():
+                graphs[key] = (torch.cuda.make_graphed_callables(fn, static) if torch.is_grad_enabled()
+                               else _forward_graph(fn, static))
         return graphs[key](*args)
     return run
 
