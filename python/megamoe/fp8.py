@@ -255,10 +255,11 @@ def _keep(owner: torch.Tensor, place: tuple, key: tuple, quantized: QuantizedWei
 
 def _refresh_held(w: torch.Tensor, place: tuple, key_then: tuple, quantized: QuantizedWeight) -> None:
     """A held entry made stale by a change of w: quantised again in place, kept under w's new key."""
-    if (key_then[2], key_then[4], key_then[5]) != (tuple(w.shape), w.dtype, w.device):
-        raise RuntimeError(f"a captured CUDA graph reads the FP8 copy of a {key_then[4]} weight of shape "
-                           f"{key_then[2]} on {key_then[5]}, which is now {w.dtype} {tuple(w.shape)} on "
-                           f"{w.device}: capture the graph again after replacing the weight")
+    _, _, shape, _, dtype, device = key_then
+    if (shape, dtype, device) != (tuple(w.shape), w.dtype, w.device):
+        raise RuntimeError(f"a captured CUDA graph reads the FP8 copy of a {dtype} weight of shape {shape} on "
+                           f"{device}, which is now {w.dtype} {tuple(w.shape)} on {w.device}: capture the "
+                           f"graph again after replacing the weight")
     quantized.refresh(w)
     _keep(w, place, _key(w, place), quantized)
 
@@ -332,11 +333,12 @@ def transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from the cache while w is unchanged. Made from the forward's copy when the forward made one, else
     quantised from w straight into the transposed layout, with no forward copy made (the FP8 backward
     of a bf16 forward, "fp8_bwd", holds one copy instead of two)."""
-    if _capturing(w):
+    capturing = _capturing(w)
+    if capturing:
         held = _held(w)
         if held is not None and held._transposed is not None:
             return held._transposed
-    if _capturing(w) or not _cacheable(w):
+    if capturing or not _cacheable(w):
         with torch.no_grad():
             return quantize_blocks_transposed(w.detach())
     quantized = _cached(w)
