@@ -166,7 +166,7 @@ class QuantizedWeight:
         with the same amax, so transposing q and the scales gives exactly quantize_blocks_transposed(w)
         and reads a byte per element instead of w's two."""
         if self._transposed is None:
-            self._transposed = (_transposed_values(self.q), self.scales.transpose(1, 2).contiguous())
+            self._transposed = _transpose_copy(self.q, self.scales)
         return self._transposed
 
     def refresh(self, w: torch.Tensor) -> None:
@@ -177,8 +177,7 @@ class QuantizedWeight:
             if self.q is not None:
                 quantize_blocks(w, out=(self.q, self.scales))
                 if self._transposed is not None:
-                    _transposed_values(self.q, out=self._transposed[0])
-                    self._transposed[1].copy_(self.scales.transpose(1, 2))
+                    _transpose_copy(self.q, self.scales, out=self._transposed)
             elif self._transposed is not None:
                 quantize_blocks_transposed(w, out=self._transposed)
 
@@ -197,11 +196,22 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self._copies())
 
 
+def _transpose_copy(q: torch.Tensor, scales: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy of w.transpose(1, 2) from w's (q, scales) (into `out` if given): the values transposed,
+    each 128x128 block keeping its scale."""
+    values = _transposed_values(q, None if out is None else out[0])
+    if out is None:
+        return values, scales.transpose(1, 2).contiguous()
+    out[1].copy_(scales.transpose(1, 2))
+    return out
+
+
 def _transposed_values(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [E, N, K] e4m3 -> [E, K, N] (into `out` if given): on a GPU by the core's tiled transpose (a
     strided torch copy of one-byte elements reads and writes far from the bandwidth), elsewhere by torch."""
     if not (q.is_cuda and q.is_contiguous() and q.data_ptr() % 16 == 0):
-        return _into(None if out is None else (out,), q.transpose(1, 2).contiguous())[0]
+        return q.transpose(1, 2).contiguous() if out is None else out.copy_(q.transpose(1, 2))
     e, n, k = q.shape
     out = torch.empty(e, k, n, dtype=q.dtype, device=q.device) if out is None else out
     _native.call("megamoe_transpose_fp8", "transpose", _native.TransposeFp8Args(q.data_ptr(), out.data_ptr(), e, n, k),
@@ -264,12 +274,18 @@ def _refresh_held(w: torch.Tensor, place: tuple, key_then: tuple, quantized: Qua
     _keep(w, place, _key(w, place), quantized)
 
 
+def _lookup(w: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple, tuple | None]:
+    """(owner, place, key, entry): where w lies, its key as it is now, and the entry it is cached
+    under (see _owner_entry), valid or stale, or None."""
+    place = _place(w)
+    owner, entry = _owner_entry(w, place)
+    return owner, place, _key(w, place), entry
+
+
 def _cached(w: torch.Tensor) -> QuantizedWeight:
     """w's cache entry, made empty (no copy yet) when there is none for w as it is now; a held entry
     is brought up to date in place instead."""
-    place = _place(w)
-    owner, entry = _owner_entry(w, place)
-    key = _key(w, place)
+    owner, place, key, entry = _lookup(w)
     if entry is not None and entry[0] == key:
         return entry[1]
     if entry is not None and entry[1].held_by_graph:
@@ -306,9 +322,8 @@ def _held(w: torch.Tensor) -> QuantizedWeight | None:
     quantises w itself, on every replay)."""
     if not (_GRAPHS_READ_CACHED_WEIGHTS and _cacheable(w)):
         return None
-    place = _place(w)
-    _, entry = _owner_entry(w, place)
-    if entry is None or entry[0] != _key(w, place):
+    _, _, key, entry = _lookup(w)
+    if entry is None or entry[0] != key:
         return None
     entry[1].held_by_graph = True
     return entry[1]

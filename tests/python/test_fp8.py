@@ -366,14 +366,21 @@ def test_the_memory_figure_counts_both_copies(empty_cache):
     assert fp8.cache_bytes("cpu") == 2 * forward and fp8.cache_bytes("meta") == 0
 
 
-def _captured(monkeypatch, w, read_cached=True):
-    """What a CUDA graph capture of the FP8 layer asks of the cache, inside cached_weights_in_graphs()
-    or not (capture itself needs a GPU: test_backends and test_fp8_layer replay real graphs)."""
+@contextlib.contextmanager
+def _capture(monkeypatch, read_cached=True):
+    """What the cache sees while a CUDA graph is captured, inside cached_weights_in_graphs() or not
+    (capture itself needs a GPU: test_backends and test_fp8_layer replay real graphs)."""
     with monkeypatch.context() as capture:
         capture.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         with fp8.cached_weights_in_graphs() if read_cached else contextlib.nullcontext():
-            return fp8.quantized_weight(w), fp8.transposed_weight(w)
+            yield
+
+
+def _captured(monkeypatch, w, read_cached=True):
+    """What a capture of the FP8 layer asks of the cache: both copies of w."""
+    with _capture(monkeypatch, read_cached):
+        return fp8.quantized_weight(w), fp8.transposed_weight(w)
 
 
 @pytest.mark.parametrize("change", ["sgd", "fused_adamw", "clear", "in_place"])
@@ -409,9 +416,7 @@ def test_a_captured_backward_only_copy_is_refreshed_alone(empty_cache, monkeypat
     """fp8_bwd: the graph reads the transposed copy alone; refreshed, it stays the only copy."""
     w = torch.nn.Parameter(torch.randn(1, 128, 256))
     made_t = fp8.transposed_weight(w)
-    with monkeypatch.context() as capture, fp8.cached_weights_in_graphs():
-        capture.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with _capture(monkeypatch):
         assert fp8.transposed_weight(w) is made_t
     w.grad = torch.ones_like(w)
     torch.optim.SGD([w], lr=1.0).step()
