@@ -316,25 +316,30 @@ def cached_weights_in_graphs():
         _GRAPHS_READ_CACHED_WEIGHTS = before
 
 
-def _held(w: torch.Tensor) -> QuantizedWeight | None:
-    """While a CUDA graph is captured: w's entry if it is valid and the capture is inside
-    cached_weights_in_graphs() (the graph then reads its copies, and holds it), else None (the graph
-    quantises w itself, on every replay)."""
+def _held(w: torch.Tensor, transposed: bool) -> QuantizedWeight | None:
+    """While a CUDA graph is captured: w's entry if the capture is inside cached_weights_in_graphs() and
+    the entry is valid and has the copy asked for (the forward's, or with `transposed` the backward's);
+    the graph then reads that copy, and holds the entry. Else None: the graph quantises w itself, on
+    every replay, and the entry stays free to be dropped."""
     if not (_GRAPHS_READ_CACHED_WEIGHTS and _cacheable(w)):
         return None
     _, _, key, entry = _lookup(w)
     if entry is None or entry[0] != key:
         return None
-    entry[1].held_by_graph = True
-    return entry[1]
+    quantized = entry[1]
+    if (quantized._transposed if transposed else quantized.q) is None:
+        return None
+    quantized.held_by_graph = True
+    return quantized
 
 
 def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     """The block-FP8 copies of the weight w [E, N, K] (N and K multiples of 128), from the cache while w
     is unchanged, with the forward's copy (q, scales) made. The copies have no autograd history."""
     if _capturing(w):
-        quantized = _held(w)
-        quantized = quantized if quantized is not None and quantized.q is not None else QuantizedWeight(None, None)
+        quantized = _held(w, transposed=False)
+        if quantized is None:
+            quantized = QuantizedWeight(None, None)
     else:
         quantized = _cached(w) if _cacheable(w) else QuantizedWeight(None, None)
     if quantized.q is None:
@@ -350,8 +355,8 @@ def transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of a bf16 forward, "fp8_bwd", holds one copy instead of two)."""
     capturing = _capturing(w)
     if capturing:
-        held = _held(w)
-        if held is not None and held._transposed is not None:
+        held = _held(w, transposed=True)
+        if held is not None:
             return held._transposed
     if capturing or not _cacheable(w):
         with torch.no_grad():

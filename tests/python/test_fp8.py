@@ -424,6 +424,17 @@ def test_a_captured_backward_only_copy_is_refreshed_alone(empty_cache, monkeypat
     assert fp8.cache_bytes() == w.numel() + 4 * 2
 
 
+def test_a_capture_that_quantises_in_the_graph_leaves_the_entry_unheld(empty_cache, monkeypatch):
+    """An fp8 capture of a weight cached by fp8_bwd (the transposed copy alone): the graph quantises the
+    forward's copy itself but reads the transposed one, so the entry is held only once that is asked for."""
+    w = torch.nn.Parameter(torch.randn(1, 128, 256))
+    made_t = fp8.transposed_weight(w)
+    with _capture(monkeypatch):
+        read = fp8.quantized_weight(w)
+        assert read.q is not None and read._transposed is None and not fp8._cached(w).held_by_graph
+        assert fp8.transposed_weight(w) is made_t and fp8._cached(w).held_by_graph
+
+
 def test_a_capture_without_a_valid_copy_quantises_in_the_graph_and_caches_nothing(empty_cache, monkeypatch):
     """A replay then quantises the weight as it is at that replay: the graph holds the quantisation."""
     w = torch.randn(1, 128, 128)
