@@ -19,7 +19,6 @@ Prints the median over rounds of the mean time per call, forward and forward + b
 
 import argparse
 import collections
-import functools
 import statistics
 import time
 
@@ -99,7 +98,11 @@ def mark_steps() -> list:
             return fn(*args, **kwargs)
         finally:
             marks.append((f"{label} ends", time.perf_counter()))
-    wrap_steps(TIMELINE_STEPS, lambda name, fn: functools.partial(marked, name, fn))
+    def wrapped(name, fn):  # a function, so a wrapped method still binds to its instance
+        def run(*args, **kwargs):
+            return marked(name, fn, *args, **kwargs)
+        return run
+    wrap_steps(TIMELINE_STEPS, wrapped)
     call = _native.call  # each launch marked by its entry point: its own cost, apart from its wrapper's Python
     _native.call = lambda entry, *args, **kwargs: marked(entry, call, entry, *args, **kwargs)
     return marks
