@@ -279,8 +279,8 @@ def test_layer_replayed_from_cuda_graphs_trains_like_eager(precision):
         torch.manual_seed(0)
         return megamoe.MoELayer(256, 128, num_experts=8, top_k=2, precision=precision, device="cuda")
 
-    # Graphs of earlier tests that only a garbage collection frees must go before this capture: one
-    # destroyed while it runs would invalidate it.
+    # Graphs of earlier tests that only a garbage collection frees (a module graphed by PyTorch 2.11
+    # refers to itself) must go before this capture: one destroyed while it runs would invalidate it.
     gc.collect()
     torch.manual_seed(1)
     steps = [(torch.randn(192, 256, device="cuda", dtype=torch.bfloat16),
