@@ -3,10 +3,14 @@ one timeline (torch.profiler, CPU and CUDA activities), for calls timed one at a
 sustained warm-up, as the benchmark's single-call figure takes them (synchronised before and after).
 
     python scripts/experiments/call_timeline.py [--preset qwen3-30b-a3b] [--tokens 1024]
-        [--precision bf16] [--mode fwd|fwdbwd] [--calls 5] [--warmup-seconds 2]
+        [--backend fused|fused-graphed] [--precision bf16] [--mode fwd|fwdbwd] [--calls 5]
+        [--warmup-seconds 2]
 
 Prints, for the median call: when each step of the layer ran on the host and each kernel on the
-GPU (µs from the call's start), the GPU's idle gaps, and the total.
+GPU (µs from the call's start), the GPU's idle gaps, and the total. The profiler slows the host 2–3×:
+with --events, calls run unprofiled, and host marks (the forward returns, autograd reaches the
+backward: a hook on y, the backward returns) stand beside CUDA events recorded at the same points
+(the GPU idles at a call's start, so its first event runs as the call starts): medians over calls.
 """
 
 import argparse
@@ -19,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import megamoe
 import megamoe.fused
+from megamoe.bench import backends
 from host_time import TIMELINE_STEPS, wrap_steps  # the layer's steps, by the module that holds them
 from megamoe.shapes import PRESETS
 
@@ -37,27 +42,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--backend", choices=["fused", "fused-graphed"], default="fused",
+                        help="fused-graphed: the benchmark's replay of CUDA graphs (no host steps to mark)")
     parser.add_argument("--precision", choices=["bf16", "fp8", "fp8_bwd"], default="bf16")
     parser.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwdbwd")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--warmup-seconds", type=float, default=2.0)
+    parser.add_argument("--events", action="store_true", help="unprofiled: host marks and CUDA events")
     args = parser.parse_args()
     shape = PRESETS[args.preset]
     x, ids, weights, w13, w2 = megamoe.make_inputs(shape, args.tokens, "balanced", device="cuda")
     for t in (x, weights, w13, w2):
         t.requires_grad_(args.mode == "fwdbwd")
     dy = torch.randn_like(x)
+    layer = backends.build(args.backend, shape, args.precision)
+
+    def forward():  # the forward alone runs under no_grad, as the benchmark times it
+        with torch.set_grad_enabled(args.mode == "fwdbwd"):
+            return layer(x, ids, weights, w13, w2)
+
+    def backward(y):
+        y.backward(dy)
+
+    def clear_grads():
+        x.grad = weights.grad = w13.grad = w2.grad = None
 
     def call():
-        y = megamoe.moe(x, ids, weights, w13, w2, backend="fused", precision=args.precision)
+        y = forward()
         if args.mode == "fwdbwd":
-            y.backward(dy)
-        x.grad = weights.grad = w13.grad = w2.grad = None
+            backward(y)
+        clear_grads()
 
     start = time.perf_counter()
     while time.perf_counter() - start < args.warmup_seconds:
         call()
     torch.cuda.synchronize()
+    if args.events:
+        report_events(forward, backward if args.mode == "fwdbwd" else None, clear_grads, args)
+        return
     mark_steps()
     call()
     torch.cuda.synchronize()
@@ -82,7 +104,7 @@ def main() -> None:
         summaries.append((t1 - t0, busy, c, ks))
     total, busy, c, ks = sorted(summaries, key=lambda s: s[0])[len(summaries) // 2]
     t0 = c.time_range.start
-    print(f"{args.preset}, {args.tokens} tokens, {args.precision}, {args.mode}: calls "
+    print(f"{args.preset}, {args.tokens} tokens, {args.backend}, {args.precision}, {args.mode}: calls "
           f"{', '.join(f'{s[0]:.0f}' for s in summaries)} µs, "
           f"GPU busy {', '.join(f'{s[1]:.0f}' for s in summaries)}")
     print(f"median call {total:.0f} µs, kernels {busy:.0f} µs, first kernel at {ks[0].time_range.start - t0:.0f}, "
@@ -99,6 +121,56 @@ def main() -> None:
         print(f"  {start:8.1f} {end:8.1f}  {where}  {name}")
     print(f"GPU idle between kernels {idle_us(ks):.0f} µs (median call), over calls "
           f"{statistics.median(idle_us(s[3]) for s in summaries):.0f}")
+
+
+def report_events(forward, backward, clear_grads, args) -> None:
+    """Unprofiled calls one at a time (backward None: forwards alone): host marks and CUDA events at the
+    same points, µs from the call's start, medians over args.calls calls."""
+    def call():
+        y = forward()
+        if backward is not None:
+            backward(y)
+        clear_grads()
+    torch.cuda.synchronize()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    for _ in range(40):
+        call()
+    last.record()
+    torch.cuda.synchronize()
+    back_to_back = first.elapsed_time(last) * 1e3 / 40
+    rows = []
+    for _ in range(args.calls):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        host = {}
+
+        def reached(grad):  # runs on autograd's thread, before the layer's backward
+            host["backward reached"] = time.perf_counter()
+            events[2].record()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        events[0].record()
+        y = forward()
+        host["forward returns"] = time.perf_counter()
+        events[1].record()
+        if backward is not None:
+            y.register_hook(reached)
+            backward(y)
+            host["backward returns"] = time.perf_counter()
+        events[3].record()
+        torch.cuda.synchronize()
+        host["call done"] = time.perf_counter()
+        clear_grads()
+        marks = {"forward's work done": events[1], "work done": events[3]}
+        if backward is not None:
+            marks["backward's work may start"] = events[2]
+        gpu = {name: events[0].elapsed_time(e) * 1e3 for name, e in marks.items()}
+        rows.append({**{f"host: {k}": (t - start) * 1e6 for k, t in host.items()},
+                     **{f"gpu: {k}": t for k, t in gpu.items()}})
+    print(f"{args.preset}, {args.tokens} tokens, {args.backend}, {args.precision}, {args.mode}, unprofiled, "
+          f"µs from the call's start (medians of {len(rows)}); back to back {back_to_back:.1f} µs per call:")
+    for name in sorted(rows[0], key=lambda n: statistics.median(r[n] for r in rows)):
+        print(f"  {statistics.median(r[name] for r in rows):8.1f}  {name}")
 
 
 def idle_us(kernels) -> float:
