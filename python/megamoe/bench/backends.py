@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 
 import torch
@@ -82,6 +83,9 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
         key = (torch.is_grad_enabled(), w13.data_ptr(), w2.data_ptr(),
                tuple((a.shape, a.dtype, a.requires_grad) for a in args))
         if key not in graphs:
+            # Graphs of earlier captures that only a garbage collection frees (the callables PyTorch
+            # makes are cyclic) must go now: one destroyed while this capture runs would invalidate it.
+            gc.collect()
             static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args[:3]) + (w13, w2)
             with fp8.cached_weights_in_graphs():
                 graphs[key] = (torch.cuda.make_graphed_callables(fn, static) if torch.is_grad_enabled()
