@@ -164,16 +164,18 @@ def test_grouped_traces_whole_under_torch_compile():
 
 
 @requires_cuda
+@pytest.mark.parametrize("backend", ["fused-graphed", "fused-step-graphed"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
-def test_fused_replayed_from_cuda_graphs_equals_eager(precision):
+def test_fused_replayed_from_cuda_graphs_equals_eager(precision, backend):
     """The fused layer has no host sync and fixed-size buffers, so CUDA graphs capture its forward
-    and backward (the benchmark's fused-graphed): replays on new inputs give the eager output and
-    gradients bit for bit, also after an optimizer step has changed the weights (in block FP8 the
-    graphs read the weights' cached copies, which the step's hook quantises again in place). The eager
-    side runs on clones of the weights, so it quantises them afresh."""
+    and backward, each in a graph of its own (the benchmark's fused-graphed) or both in one, as a
+    training step's capture takes them (fused-step-graphed): replays on new inputs give the eager
+    output and gradients bit for bit, also after an optimizer step has changed the weights (in block
+    FP8 the graphs read the weights' cached copies, which the step's hook quantises again in place).
+    The eager side runs on clones of the weights, so it quantises them afresh."""
     from megamoe.bench import backends
     shape = megamoe.PRESETS["qwen3-30b-a3b"]
-    graphed = backends.build("fused-graphed", shape, precision, torch.device("cuda"))
+    graphed = backends.build(backend, shape, precision, torch.device("cuda"))
     _, _, _, w13, w2 = megamoe.make_inputs(shape, 1, device="cuda")
     w13, w2 = leaf(w13), leaf(w2)
     optimizer = torch.optim.SGD([w13, w2], lr=1e-2)
@@ -188,13 +190,17 @@ def test_fused_replayed_from_cuda_graphs_equals_eager(precision):
             assert torch.equal(graphed(x, ids, weights, w13, w2),
                                megamoe.moe(x, ids, weights, *eager_weights, precision=precision))
         dy = torch.randn_like(x)
-        grads = []
+        runs = []
         for fn, ws in ((graphed, (w13, w2)), (functools.partial(megamoe.moe, precision=precision), eager_weights)):
             leaves = [leaf(x), leaf(weights)]
-            fn(leaves[0], ids, leaves[1], *ws).backward(dy)
-            grads.append([t.grad.clone() for t in (*leaves, *ws)])
+            if isinstance(fn, backends.StepGraphed):
+                runs.append([t.clone() for t in fn.step(x, ids, weights, *ws, dy)])
+                continue
+            y = fn(leaves[0], ids, leaves[1], *ws)
+            y.backward(dy)
+            runs.append([y.detach().clone(), *(t.grad.clone() for t in (*leaves, *ws))])
             w13.grad = w2.grad = None
-        for name, got, want in zip(("dx", "dtopk_weights", "dw13", "dw2"), *grads):
+        for name, got, want in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), *runs):
             assert torch.equal(got, want), name
 
 

@@ -142,10 +142,11 @@ def test_bench_records_a_backend_that_cannot_run_as_skipped(tmp_path):
     assert record["precision"] == "fp8"
 
 
+@pytest.mark.parametrize("backend", backends.GRAPHED_BACKENDS)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_fused_graphed_runs_on_a_gpu_only(precision):
+def test_fused_graphed_runs_on_a_gpu_only(precision, backend):
     with pytest.raises(backends.Unavailable, match="CUDA graphs"):
-        backends.build("fused-graphed", PRESETS["tiny"], precision, torch.device("cpu"))
+        backends.build(backend, PRESETS["tiny"], precision, torch.device("cpu"))
 
 
 def test_bench_records_out_of_memory_and_carries_on(tmp_path, monkeypatch):

@@ -16,15 +16,16 @@ from megamoe.validation import BACKENDS as MOE_BACKENDS
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # megamoe.moe's own backends, fused keeping z alone (recompute="gather") and only its inputs
-# (recompute=True) for the backward, fused replayed from CUDA graphs, then what users run
-# today: grouped-fp8 is TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
-BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "fused-graphed", "grouped-compiled",
-            "hf-grouped_mm", "grouped-fp8")
+# (recompute=True) for the backward, fused replayed from CUDA graphs (forward and backward each a
+# graph, or both in one: a training step's capture), then what users run today: grouped-fp8 is
+# TorchTitan's FP8 MoE path on Hopper (--precision fp8 only).
+BACKENDS = (*MOE_BACKENDS, "fused-recompute-gather", "fused-recompute", "fused-graphed", "fused-step-graphed",
+            "grouped-compiled", "hf-grouped_mm", "grouped-fp8")
 # The backends whose buffers come from CUDA graph pools, allocated at capture before the measured run:
 # their peak and kept-for-backward figures would not be comparable, so none are recorded.
-GRAPHED_BACKENDS = ("fused-graphed",)
+GRAPHED_BACKENDS = ("fused-graphed", "fused-step-graphed")
 # The backends that take a precision other than bf16 (the others are recorded as skipped there).
-LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", "fused-graphed", "grouped-fp8")
+LOW_PRECISION_BACKENDS = ("fused", "fused-recompute-gather", "fused-recompute", *GRAPHED_BACKENDS, "grouped-fp8")
 
 
 # torch.compile keeps at most `recompile_limit` (default 8) specialisations of a function and then
@@ -53,8 +54,10 @@ def build(name: str, shape: MoEShape, precision: str, device: torch.device | Non
         raise Unavailable(f"{name} runs bf16 only{counterpart}, not precision={precision!r}")
     if name in MOE_BACKENDS:
         return functools.partial(megamoe.moe, backend=name, precision=precision)
-    if name == "fused-graphed":
-        return _graphed(functools.partial(megamoe.moe, backend="fused", precision=precision), device)
+    if name in GRAPHED_BACKENDS:
+        fused = functools.partial(megamoe.moe, backend="fused", precision=precision)
+        graphed = _graphed(fused, device)
+        return graphed if name == "fused-graphed" else StepGraphed(graphed, fused)
     if name.startswith("fused-recompute"):
         recompute = "gather" if name == "fused-recompute-gather" else True
         return functools.partial(megamoe.moe, backend="fused", precision=precision, recompute=recompute)
@@ -114,6 +117,66 @@ def _forward_graph(fn: MoEFn, static: tuple) -> MoEFn:
         graph.replay()
         return out
     return replay
+
+
+def _free_earlier_graphs() -> None:
+    """Graphs of earlier captures that only a garbage collection frees (the callables PyTorch makes are
+    cyclic) go before a capture: one destroyed while the capture runs would invalidate it."""
+    gc.collect()
+
+
+class StepGraphed:
+    """fn with its forward and backward captured in one CUDA graph, as a training step's capture takes
+    them (PyTorch's whole-network capture): step(x, topk_ids, topk_weights, w13, w2, dy) copies its
+    inputs into the graph's own and replays y = fn(...); y.backward(dy), returning the graph's
+    (y, dx, dtopk_weights, dw13, dw2), which the next replay overwrites. A graph per input shape
+    (w13 and w2 are the graph's: the benchmark's sets share them); the weights' gradients land in the
+    graph's tensors, or are added to their fp32 `main_grad` buffers. Called as fn(...), it is the
+    fused-graphed backend (its forward alone: a forward graph)."""
+
+    def __init__(self, graphed: MoEFn, fn: MoEFn):
+        self._graphed, self._fn, self._steps = graphed, fn, {}
+
+    def __call__(self, *args):
+        return self._graphed(*args)
+
+    def step(self, x, topk_ids, topk_weights, w13, w2, dy):
+        args = (x, topk_ids, topk_weights, dy)
+        key = (w13.data_ptr(), w2.data_ptr(), tuple((a.shape, a.dtype) for a in args))
+        if key not in self._steps:
+            self._steps[key] = self._capture(args, w13, w2)
+        static, graph, outputs = self._steps[key]
+        for held, given in zip(static, args):
+            if held.data_ptr() != given.data_ptr():
+                held.copy_(given)
+        graph.replay()
+        return outputs
+
+    def _capture(self, args, w13, w2):
+        x, ids, weights, dy = (a.detach().clone() for a in args)
+        x.requires_grad_(), weights.requires_grad_()
+
+        def run():
+            y = self._fn(x, ids, weights, w13, w2)
+            y.backward(dy)
+            return y
+
+        def clear_grads():
+            x.grad = weights.grad = w13.grad = w2.grad = None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up calls, as capture needs (in FP8 they make the weight copies)
+            for _ in range(3):
+                run()
+                clear_grads()
+        torch.cuda.current_stream().wait_stream(side)
+        _free_earlier_graphs()
+        graph = torch.cuda.CUDAGraph()
+        with fp8.cached_weights_in_graphs(), torch.cuda.graph(graph):
+            y = run()
+        outputs = (y, x.grad, weights.grad, w13.grad, w2.grad)
+        clear_grads()  # the graph's gradient tensors live on in `outputs` (and in its memory pool)
+        return (x, ids, weights, dy), graph, outputs
 
 
 def _grouped_fp8(precision: str, device: torch.device | None) -> MoEFn:

@@ -217,11 +217,15 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 
 def step(fn: backends.MoEFn, mode: str, sets: list[Operands], dy: torch.Tensor) -> Callable[[int], None]:
     """run(i): one timed iteration of `mode` on input set i (mod the number of sets). fwd runs under
-    no_grad; fwdbwd runs y.backward(dy), leaving the gradients for the caller to clear."""
+    no_grad; fwdbwd runs y.backward(dy), leaving the gradients for the caller to clear, or a backend's
+    own step (backends.StepGraphed: forward and backward replayed from one graph)."""
     if mode == "fwd":
         def run(i: int) -> None:
             with torch.no_grad():
                 fn(*sets[i % len(sets)].args())
+    elif isinstance(fn, backends.StepGraphed):
+        def run(i: int) -> None:
+            fn.step(*sets[i % len(sets)].args(), dy)
     else:
         def run(i: int) -> None:
             fn(*sets[i % len(sets)].args()).backward(dy)
