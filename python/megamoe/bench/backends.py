@@ -146,9 +146,10 @@ class StepGraphed:
         if key not in self._steps:
             self._steps[key] = self._capture(args, w13, w2)
         static, graph, outputs = self._steps[key]
-        for held, given in zip(static, args):
-            if held.data_ptr() != given.data_ptr():
-                held.copy_(given)
+        with torch.no_grad():  # x and topk_weights are the graph's leaves
+            for held, given in zip(static, args):
+                if held.data_ptr() != given.data_ptr():
+                    held.copy_(given)
         graph.replay()
         return outputs
 
