@@ -82,7 +82,7 @@ for stage in ${@:-env tests sanitize gemm bench train}; do
     classes)
       # The model classes beyond Qwen3 at 16384 tokens, then Qwen3-30B-A3B at a small batch.
       for run in "classes --preset kimi-k2-ep8 mixtral-8x22b gpt-oss-20b qwen3-next-80b-a3b --tokens 16384 --backends fused grouped" \
-                 "small_batch --preset qwen3-30b-a3b --tokens 1024 --backends fused fused-graphed grouped --precision bf16 fp8 fp8_bwd"; do
+                 "small_batch --preset qwen3-30b-a3b --tokens 1024 --backends fused fused-graphed fused-step-graphed grouped --precision bf16 fp8 fp8_bwd"; do
         set -- $run
         name=$1; shift
         run_python -m megamoe.bench --out "$out/bench/$name" "$@" --skewed-tokens \
