@@ -43,16 +43,22 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor | None, weights: torch.Tensor
     return pool if weights is None else (pool, weights_pool)
 
 
-def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """bf16 rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched in one
     pass: (e4m3 pool [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read);
-    padding rows are 0 with scale 0."""
+    padding rows are 0 with scale 0. With weights [T, K], (pool, scales, p [pool rows] fp32), p as
+    dispatch gives it."""
     pool = torch.empty(plan.pool_rows, rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(rows.shape[1] // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
+    weights_pool = None
+    if weights is not None:
+        weights = weights.to(torch.float32).contiguous()
+        weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=rows.device)
     _native.call("megamoe_dispatch_fp8", "FP8 dispatch", plan.native(),
-                 _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1]),
+                 _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1],
+                                         _native.address(weights), _native.address(weights_pool)),
                  _native.stream(rows.device))
-    return pool, scales
+    return (pool, scales) if weights is None else (pool, scales, weights_pool)
 
 
 def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:

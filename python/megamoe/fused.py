@@ -167,8 +167,10 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    # In FP8, dh reads dy in e4m3 and the weight gradients read dy's and x's token rows: no bf16 pools.
-    dy_pool, p_pool = dispatch(plan, None if fp8_backward else dy, topk_weights)
+    # In FP8, dh reads dy in e4m3 (dispatched with p below) and the weight gradients read dy's and x's
+    # token rows: no bf16 pools.
+    if not fp8_backward:
+        dy_pool, p_pool = dispatch(plan, dy, topk_weights)
     if z.numel() == 0:  # recompute: z in the forward's precision (in bf16 its pool of x serves dW13 too)
         free_z = False  # our own: freed when it goes out of scope
         if precision == "fp8":
@@ -182,7 +184,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             x_pool = None if fp8_backward else pool
             del pool
     if fp8_backward:
-        dy_pool = dispatch_fp8(plan, dy)  # e4m3 rows and their scales, for dh and dW2
+        *dy_pool, p_pool = dispatch_fp8(plan, dy, topk_weights)  # e4m3 rows and their scales, for dh and dW2
         w2t, w2t_scales = fp8.transposed_weight(w2)
         # dz for dx, and dz and hp transposed for the weight gradients: each freed once read
         dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(*dy_pool, w2t, w2t_scales, z, p_pool, plan, activation)

@@ -207,6 +207,8 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.hidden = 200; },
            "hidden must be a positive multiple of 128 (1 x 128 scale blocks), got 200"},
           {[](auto&, auto& a) { a.pool_scales = nullptr; }, fp8_null},
+          {[](auto&, auto& a) { a.weights_pool = reinterpret_cast<float*>(a.pool); },
+           "weights and weights_pool go together (both null, or both set)"},
           {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, fp8_null},
           {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x and pool must be 16-byte aligned"},
       });

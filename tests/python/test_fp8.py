@@ -71,9 +71,10 @@ def test_grouped_gemm_fp8_matches_the_dequantized_product():
 def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     """One pass (megamoe_dispatch_fp8) gives the bytes of the row quantisation followed by the
     dispatch of the e4m3 rows and of their scales, padding rows (zeros, scale 0) included; a NaN
-    keeps its whole 1 x 128 block non-finite, as the row kernel does."""
+    keeps its whole 1 x 128 block non-finite, as the row kernel does. With the routes' weights it
+    also gives each pool row's weight, as the bf16 dispatch does (0 on padding rows)."""
     tokens, experts = 300, 8
-    ids, _ = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(3))
+    ids, weights = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(3))
     ids[5, 1] = -1  # a masked route
     plan = build_routing(ids.cuda(), experts)
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
@@ -86,6 +87,11 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     live = int(plan.num_blocks) * 128
     assert torch.equal(pool[:live].view(torch.uint8), want[:live].view(torch.uint8))
     assert torch.equal(scales[:, :live].view(torch.int32), want_scales[:, :live].contiguous().view(torch.int32))
+    pool_w, scales_w, p = dispatch_fp8(plan, x, weights.cuda())
+    _, want_p = dispatch(plan, None, weights.cuda())
+    assert torch.equal(pool_w[:live].view(torch.uint8), pool[:live].view(torch.uint8))
+    assert torch.equal(scales_w[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
+    assert torch.equal(p[:live], want_p[:live]) and (p[:live][plan.slot_to_route[:live] < 0] == 0).all()
     slot = int(plan.route_to_slot[9, 0])
     assert scales[-1, slot].isnan()
     if hidden > fp8.BLOCK:  # the NaN's block only: the row's first block is another one

@@ -102,11 +102,15 @@ int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine
 // megamoe_quantize_rows_fp8, 1 x 128 blocks): pool[slot] = x[t] in e4m3, pool_scales[b, slot] = the
 // scale of block b of x[t]; the padding rows of the live blocks get zeros and scale 0, rows past the
 // live blocks are not touched. The same bytes as quantising x, then dispatching its rows and scales.
+// With weights, weights_pool[slot] = the route's weight, 0 on padding rows (the backward's p, as
+// megamoe_dispatch_bf16 dispatches it beside dy's rows).
 typedef struct {
-  const void* x;       // [T, hidden] bf16
-  void* pool;          // [max_blocks * 128, hidden] e4m3
-  float* pool_scales;  // [hidden / 128, max_blocks * 128] fp32, the layout the FP8 GEMMs read
-  int32_t hidden;      // a multiple of 128
+  const void* x;        // [T, hidden] bf16
+  void* pool;           // [max_blocks * 128, hidden] e4m3
+  float* pool_scales;   // [hidden / 128, max_blocks * 128] fp32, the layout the FP8 GEMMs read
+  int32_t hidden;       // a multiple of 128
+  const float* weights; // [T, K] fp32, or null (then weights_pool is null too)
+  float* weights_pool;  // [max_blocks * 128] fp32, or null
 } megamoe_dispatch_fp8_args;
 
 int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const megamoe_dispatch_fp8_args* args, void* stream);

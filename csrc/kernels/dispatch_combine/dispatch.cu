@@ -5,10 +5,10 @@
 // streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
 // rows past the live blocks are not touched. With weights, each route's weight goes to its slot
 // of weights_pool the same way (0 on padding rows): the backward's per-row p. With no row bytes,
-// only the weights move (the FP8 backward's p, whose rows it dispatches quantised).
+// only the weights move.
 // The FP8 dispatch quantises each token row once on the way (kernels/fp8/quantize_row.cuh, 1 x 128
 // blocks); the slots get e4m3 rows and the scales go straight to the k-block-major layout the FP8
-// GEMMs read.
+// GEMMs read; with weights, it moves them too (the FP8 backward's dy and p in one launch).
 #include <algorithm>
 
 #include "kernels/dispatch_combine/warp_rows.cuh"
@@ -34,6 +34,16 @@ __device__ __forceinline__ void for_token_slots(const int32_t* __restrict__ rout
   }
 }
 
+// Each lane stores its routes' weights of token t to their slots.
+__device__ __forceinline__ void store_token_weights(const int32_t* __restrict__ route_to_slot,
+                                                    const float* __restrict__ weights, float* __restrict__ weights_pool,
+                                                    int64_t t, int32_t top_k) {
+  for (int k = int(threadIdx.x % 32); k < top_k; k += 32) {
+    const int32_t slot = route_to_slot[t * top_k + k];
+    if (slot >= 0) weights_pool[slot] = weights[t * top_k + k];
+  }
+}
+
 // A row longer than 8 KB is copied in segments of that size (its slots read once per segment).
 template <int kVecsPerLane>
 __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
@@ -50,12 +60,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
         const int c = segment + i * 32 + lane;
         if (c < vecs_per_row) v[i] = load_readonly(x + t * x_vecs_per_row + c);
       }
-      if (segment == 0 && weights_pool != nullptr) {  // each lane its routes' weights
-        for (int k = lane; k < top_k; k += 32) {
-          const int32_t slot = route_to_slot[t * top_k + k];
-          if (slot >= 0) weights_pool[slot] = weights[t * top_k + k];
-        }
-      }
+      if (segment == 0 && weights_pool != nullptr) store_token_weights(route_to_slot, weights, weights_pool, t, top_k);
       for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) {
 #pragma unroll
         for (int i = 0; i < kVecsPerLane; ++i) {
@@ -108,11 +113,12 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
 }
 
 // x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]: each token row
-// quantised once (quantize_row.cuh), then stored to its K slots.
+// quantised once (quantize_row.cuh), then stored to its K slots; weights (or null) as dispatch_rows.
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float* __restrict__ pool_scales,
                   const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
-                  const int32_t* __restrict__ num_blocks, int64_t num_tokens, int64_t max_rows, int32_t top_k,
+                  const int32_t* __restrict__ num_blocks, const float* __restrict__ weights,
+                  float* __restrict__ weights_pool, int64_t num_tokens, int64_t max_rows, int32_t top_k,
                   int32_t vecs_per_row) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
@@ -131,7 +137,13 @@ dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float*
       });
     }
   }
+  if (weights_pool != nullptr) {  // a loop of its own: inside the rows' loop it made that loop spill
+    for (int64_t t = first_warp; t < num_tokens; t += warps) {
+      store_token_weights(route_to_slot, weights, weights_pool, t, top_k);
+    }
+  }
   for_padding_rows(slot_to_route, num_blocks, max_rows, first_warp, warps, [&](int64_t row) {
+    if (weights_pool != nullptr && lane == 0) weights_pool[row] = 0.f;
     zero_row(reinterpret_cast<Bf16x8*>(pool), row, vecs_per_row / 2);  // e4m3: half the bf16 row's bytes
     for (int b = lane; b < vecs_per_row / 16; b += 32) pool_scales[int64_t(b) * max_rows + row] = 0.f;
   });
@@ -221,6 +233,9 @@ extern "C" int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const mega
     return invalid_argument(fn + "x, pool, pool_scales and the plan's route_to_slot, slot_to_route and num_blocks "
                             "must be non-null");
   }
+  if ((a.weights == nullptr) != (a.weights_pool == nullptr)) {
+    return invalid_argument(fn + "weights and weights_pool go together (both null, or both set)");
+  }
   if (!aligned16(a.x) || !aligned16(a.pool)) return invalid_argument(fn + "x and pool must be 16-byte aligned");
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
@@ -228,7 +243,8 @@ extern "C" int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const mega
   MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
   dispatch_rows_fp8<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream_handle)>>>(
       static_cast<const Bf16x8*>(a.x), static_cast<uint2*>(a.pool), a.pool_scales, plan->route_to_slot,
-      plan->slot_to_route, plan->num_blocks, num_tokens, max_rows, plan->shape.top_k, a.hidden / kBf16PerVec);
+      plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, num_tokens, max_rows, plan->shape.top_k,
+      a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
