@@ -78,7 +78,7 @@ def main() -> None:
         call()
     torch.cuda.synchronize()
     if args.events:
-        report_events(forward, backward if args.mode == "fwdbwd" else None, clear_grads, args)
+        report_events(call, forward, backward if args.mode == "fwdbwd" else None, clear_grads, args)
         return
     mark_steps()
     call()
@@ -123,14 +123,10 @@ def main() -> None:
           f"{statistics.median(idle_us(s[3]) for s in summaries):.0f}")
 
 
-def report_events(forward, backward, clear_grads, args) -> None:
-    """Unprofiled calls one at a time (backward None: forwards alone): host marks and CUDA events at the
-    same points, µs from the call's start, medians over args.calls calls."""
-    def call():
-        y = forward()
-        if backward is not None:
-            backward(y)
-        clear_grads()
+def report_events(call, forward, backward, clear_grads, args) -> None:
+    """40 calls back to back, then unprofiled calls one at a time, made of call's parts (backward None:
+    forwards alone): host marks and CUDA events at the same points, µs from the call's start, medians
+    over args.calls calls."""
     torch.cuda.synchronize()
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first.record()

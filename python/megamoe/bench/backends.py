@@ -86,34 +86,24 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
         key = (torch.is_grad_enabled(), w13.data_ptr(), w2.data_ptr(),
                tuple((a.shape, a.dtype, a.requires_grad) for a in args))
         if key not in graphs:
-            # Graphs of earlier captures that only a garbage collection frees (the callables PyTorch
-            # makes are cyclic) must go now: one destroyed while this capture runs would invalidate it.
-            gc.collect()
             static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args[:3]) + (w13, w2)
-            with fp8.cached_weights_in_graphs():
-                graphs[key] = (torch.cuda.make_graphed_callables(fn, static) if torch.is_grad_enabled()
-                               else _forward_graph(fn, static))
+            if torch.is_grad_enabled():
+                _free_earlier_graphs()
+                with fp8.cached_weights_in_graphs():
+                    graphs[key] = torch.cuda.make_graphed_callables(fn, static)
+            else:
+                graphs[key] = _forward_graph(fn, static)
         return graphs[key](*args)
     return run
 
 
 def _forward_graph(fn: MoEFn, static: tuple) -> MoEFn:
-    """fn(*static) captured in a CUDA graph (after warm-up calls on a side stream, as capture needs);
-    replay(*args) copies args into static where they differ and returns the graph's output tensor."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
+    """fn(*static) captured in a CUDA graph (_capture); replay(*args) copies args into static where they
+    differ and returns the graph's output tensor."""
+    graph, out = _capture(lambda: fn(*static))
 
     def replay(*args):
-        for held, given in zip(static, args):
-            if held.data_ptr() != given.data_ptr():
-                held.copy_(given)
+        _copy_into(static, args)
         graph.replay()
         return out
     return replay
@@ -123,6 +113,33 @@ def _free_earlier_graphs() -> None:
     """Graphs of earlier captures that only a garbage collection frees (the callables PyTorch makes are
     cyclic) go before a capture: one destroyed while the capture runs would invalidate it."""
     gc.collect()
+
+
+def _capture(run: Callable[[], object], reset: Callable[[], None] = lambda: None) -> tuple:
+    """(graph, what run() returned while captured): run() captured in a CUDA graph after three warm-up
+    runs on a side stream, as capture needs, each followed by reset() (in block FP8 the warm-ups make
+    the weights' cached copies, which the graph reads: fp8.cached_weights_in_graphs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+            reset()
+    torch.cuda.current_stream().wait_stream(side)
+    _free_earlier_graphs()
+    graph = torch.cuda.CUDAGraph()
+    with fp8.cached_weights_in_graphs(), torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+def _copy_into(static: tuple, given: tuple) -> None:
+    """Each given input copied into the graph's own where it is another tensor (without autograd: the
+    graph's x and topk_weights may be leaves that require grad)."""
+    with torch.no_grad():
+        for held, value in zip(static, given):
+            if held.data_ptr() != value.data_ptr():
+                held.copy_(value)
 
 
 class StepGraphed:
@@ -146,10 +163,7 @@ class StepGraphed:
         if key not in self._steps:
             self._steps[key] = self._capture(args, w13, w2)
         static, graph, outputs = self._steps[key]
-        with torch.no_grad():  # x and topk_weights are the graph's leaves
-            for held, given in zip(static, args):
-                if held.data_ptr() != given.data_ptr():
-                    held.copy_(given)
+        _copy_into(static, args)
         graph.replay()
         return outputs
 
@@ -164,17 +178,7 @@ class StepGraphed:
 
         def clear_grads():
             x.grad = weights.grad = w13.grad = w2.grad = None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up calls, as capture needs (in FP8 they make the weight copies)
-            for _ in range(3):
-                run()
-                clear_grads()
-        torch.cuda.current_stream().wait_stream(side)
-        _free_earlier_graphs()
-        graph = torch.cuda.CUDAGraph()
-        with fp8.cached_weights_in_graphs(), torch.cuda.graph(graph):
-            y = run()
+        graph, y = _capture(run, clear_grads)
         outputs = (y, x.grad, weights.grad, w13.grad, w2.grad)
         clear_grads()  # the graph's gradient tensors live on in `outputs` (and in its memory pool)
         return (x, ids, weights, dy), graph, outputs
