@@ -20,26 +20,19 @@ from . import _native, fp8
 from .routing import RoutingPlan
 
 
-def dispatch(plan: RoutingPlan, rows: torch.Tensor | None, weights: torch.Tensor | None = None):
+def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
     """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes, which
     may be columns of a wider tensor): each live pool row holds its route's token row; padding rows are
     zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's route weight, 0 on
-    padding rows; rows None dispatches the weights alone, (None, p)."""
-    if rows is None and weights is None:
-        raise ValueError("dispatch needs rows, weights or both")
-    if rows is not None and (rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1])):
+    padding rows."""
+    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         raise ValueError(f"rows [T, H] must have contiguous columns and rows at least H apart, got strides "
                          f"{rows.stride()}")
-    pool = None if rows is None else rows.new_empty(plan.pool_rows, rows.shape[1])
-    weights_pool = None
-    if weights is not None:
-        weights = weights.to(torch.float32).contiguous()
-        weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=weights.device)
-    row_bytes, stride = (0, 0) if rows is None else (_row_bytes(rows), rows.stride(0) * rows.element_size())
-    args = _native.DispatchArgs(_native.address(rows), _native.address(pool), _native.address(weights),
-                                _native.address(weights_pool), row_bytes, stride)
-    device = (weights if rows is None else rows).device
-    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(device))
+    pool = rows.new_empty(plan.pool_rows, rows.shape[1])
+    weights, weights_pool = _weights_pool(plan, weights)
+    args = _native.DispatchArgs(rows.data_ptr(), pool.data_ptr(), _native.address(weights),
+                                _native.address(weights_pool), _row_bytes(rows), rows.stride(0) * rows.element_size())
+    _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(rows.device))
     return pool if weights is None else (pool, weights_pool)
 
 
@@ -50,15 +43,21 @@ def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | 
     dispatch gives it."""
     pool = torch.empty(plan.pool_rows, rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(rows.shape[1] // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
-    weights_pool = None
-    if weights is not None:
-        weights = weights.to(torch.float32).contiguous()
-        weights_pool = torch.empty(plan.pool_rows, dtype=torch.float32, device=rows.device)
+    weights, weights_pool = _weights_pool(plan, weights)
     _native.call("megamoe_dispatch_fp8", "FP8 dispatch", plan.native(),
                  _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1],
                                          _native.address(weights), _native.address(weights_pool)),
                  _native.stream(rows.device))
     return (pool, scales) if weights is None else (pool, scales, weights_pool)
+
+
+def _weights_pool(plan: RoutingPlan, weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """(weights as the dispatch kernels read them, fp32 and contiguous, and the pool of per-row weights
+    they write), or (None, None) without weights."""
+    if weights is None:
+        return None, None
+    weights = weights.to(torch.float32).contiguous()
+    return weights, torch.empty(plan.pool_rows, dtype=torch.float32, device=weights.device)
 
 
 def pool_scales(token_scales_pool: torch.Tensor, hidden: int) -> torch.Tensor:

@@ -127,13 +127,6 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
     }
   }
 
-  // The weights alone (no row bytes, no x, no pool): the same weights_pool.
-  auto* d_weights_alone = to_device(std::vector<float>(capacity, -7.f));
-  const megamoe_dispatch_args weights_alone{nullptr, nullptr, d_weights, d_weights_alone, 0};
-  ASSERT_EQ(megamoe_dispatch_bf16(&plan, &weights_alone, nullptr), MEGAMOE_OK) << megamoe_last_error();
-  ASSERT_EQ(to_host(d_weights_alone, capacity), weights_pool);
-  cudaFree(d_weights_alone);
-
   // Combine over route rows that hold a recognisable value; masked routes' rows stay NaN.
   std::vector<uint16_t> routed(p.ids.size() * hidden, kPoison);
   std::mt19937 rng(3);
@@ -181,10 +174,9 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
   expect_rejections<Dispatch>(
       megamoe_dispatch_bf16, unread_plan({1, 1, 1, 0, 1}), Dispatch{p, p, nullptr, nullptr, 128},
       {
-          {[](auto&, auto& a) { a.row_bytes = 0; }, "row_bytes 0 dispatches the weights alone: weights and "
-                                                     "weights_pool must be set"},
-          {[](auto&, auto& a) { a.row_bytes = -16; }, "row_bytes -16 must be a multiple of 16"},
-          {[](auto&, auto& a) { a.row_bytes = 120; }, "row_bytes 120 must be a multiple of 16"},
+          {[](auto&, auto& a) { a.row_bytes = 0; }, "row_bytes 0 must be a positive multiple of 16"},
+          {[](auto&, auto& a) { a.row_bytes = -16; }, "row_bytes -16 must be a positive multiple of 16"},
+          {[](auto&, auto& a) { a.row_bytes = 120; }, "row_bytes 120 must be a positive multiple of 16"},
           {[](auto&, auto& a) { a.x = check_buf + 2; }, "x and pool must be 16-byte aligned"},
           {[](auto&, auto& a) { a.x_stride = 112; },
            "x_stride 112 must be 0 (row_bytes) or a multiple of 16 no smaller than row_bytes = 128"},

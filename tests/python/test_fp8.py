@@ -88,7 +88,7 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     assert torch.equal(pool[:live].view(torch.uint8), want[:live].view(torch.uint8))
     assert torch.equal(scales[:, :live].view(torch.int32), want_scales[:, :live].contiguous().view(torch.int32))
     pool_w, scales_w, p = dispatch_fp8(plan, x, weights.cuda())
-    _, want_p = dispatch(plan, None, weights.cuda())
+    _, want_p = dispatch(plan, x, weights.cuda())
     assert torch.equal(pool_w[:live].view(torch.uint8), pool[:live].view(torch.uint8))
     assert torch.equal(scales_w[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
     assert torch.equal(p[:live], want_p[:live]) and (p[:live][plan.slot_to_route[:live] < 0] == 0).all()
@@ -140,24 +140,6 @@ def test_dh_stores_dz_and_hp_in_e4m3_as_the_quantisations_would(inter):
     assert alone.dz is None and alone.hp is None
     for name in live_parts:
         assert_bytes_equal(name, getattr(alone, name), getattr(out, name))
-
-
-@requires_cuda
-def test_the_weights_dispatched_alone_are_the_dispatchs():
-    """The FP8 backward's dh takes only the routes' weights from the dispatch (it reads dy in e4m3)."""
-    ids, weights = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(7))
-    ids[3, 1] = -1
-    plan = build_routing(ids.cuda(), 8)
-    live = int(plan.num_blocks) * 128
-    _, want = dispatch(plan, torch.randn(700, 128, device="cuda").bfloat16(), weights.cuda())
-    no_pool, alone = dispatch(plan, None, weights.cuda())
-    assert no_pool is None and torch.equal(alone[:live], want[:live])
-
-
-def test_a_dispatch_of_nothing_raises():
-    plan = build_routing(torch.zeros(4, 2, dtype=torch.int32), 8)
-    with pytest.raises(ValueError, match="needs rows, weights or both"):
-        dispatch(plan, None)
 
 
 @requires_cuda

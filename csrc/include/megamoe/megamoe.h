@@ -74,17 +74,16 @@ int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_pl
 // dispatch: pool[route_to_slot[t, k]] = x[t] for every route with a slot; the padding rows of the
 //           live blocks (r < 128 * *num_blocks, slot_to_route[r] < 0) are zeroed, rows past the
 //           live blocks are not touched. Walks tokens, so each row of x is read once. With weights,
-//           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows); with
-//           row_bytes 0, only that (x and pool may be null).
+//           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows).
 // combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
 //           in ascending k, fp32, rounded once (deterministic); null topk_weights: every weight 1.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
-  const void* x;         // [T, row_bytes], rows x_stride bytes apart; may be null when row_bytes is 0
-  void* pool;            // [max_blocks * 128, row_bytes]; may be null when row_bytes is 0
+  const void* x;         // [T, row_bytes], rows x_stride bytes apart
+  void* pool;            // [max_blocks * 128, row_bytes]
   const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;   // [max_blocks * 128] fp32, or null
-  int32_t row_bytes;     // a multiple of 16 (bf16: 2 * hidden); 0: weights only
+  int32_t row_bytes;     // a positive multiple of 16 (bf16: 2 * hidden)
   int32_t x_stride;      // 0: row_bytes; else a multiple of 16 no smaller (columns of a wider x)
 } megamoe_dispatch_args;
 

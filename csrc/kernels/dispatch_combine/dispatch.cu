@@ -4,8 +4,7 @@
 // instead re-reads each row K times, far apart in time, and x rarely fits in L2 next to the
 // streaming pool writes. Padding rows of live blocks are zeroed so the GEMMs never read stale data;
 // rows past the live blocks are not touched. With weights, each route's weight goes to its slot
-// of weights_pool the same way (0 on padding rows): the backward's per-row p. With no row bytes,
-// only the weights move.
+// of weights_pool the same way (0 on padding rows): the backward's per-row p.
 // The FP8 dispatch quantises each token row once on the way (kernels/fp8/quantize_row.cuh, 1 x 128
 // blocks); the slots get e4m3 rows and the scales go straight to the k-block-major layout the FP8
 // GEMMs read; with weights, it moves them too (the FP8 backward's dy and p in one launch).
@@ -53,7 +52,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
   constexpr int kSegment = 32 * kVecsPerLane;
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp; t < num_tokens; t += warps) {
-    for (int segment = 0; segment < vecs_per_row || segment == 0; segment += kSegment) {
+    for (int segment = 0; segment < vecs_per_row; segment += kSegment) {
       Bf16x8 v[kVecsPerLane];
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
@@ -177,13 +176,9 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dispatch_args& a = *args;
   constexpr int kVecBytes = int(sizeof(Bf16x8));
-  if (a.row_bytes < 0 || a.row_bytes % kVecBytes) {
-    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a multiple of 16 "
-                            "(bf16 rows: a hidden size that is a multiple of 8), or 0 for the weights alone");
-  }
-  const bool weights_only = a.row_bytes == 0;
-  if (weights_only && (a.weights == nullptr || a.weights_pool == nullptr)) {
-    return invalid_argument(fn + "row_bytes 0 dispatches the weights alone: weights and weights_pool must be set");
+  if (a.row_bytes <= 0 || a.row_bytes % kVecBytes) {
+    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a positive multiple of 16 "
+                            "(bf16 rows: a hidden size that is a multiple of 8)");
   }
   if (a.x_stride != 0 && (a.x_stride < a.row_bytes || a.x_stride % kVecBytes)) {
     return invalid_argument(fn + "x_stride " + std::to_string(a.x_stride) +
@@ -192,7 +187,7 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
-  if ((!weights_only && (!a.x || !a.pool)) || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
+  if (!a.x || !a.pool || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
     return invalid_argument(fn + "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null");
   }
   if ((a.weights == nullptr) != (a.weights_pool == nullptr)) {
