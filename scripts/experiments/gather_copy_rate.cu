@@ -1,0 +1,209 @@
+// How many row copies per microsecond can an SM's TMA unit take when a GEMM producer gathers token
+// rows itself (one copy per row and stage) instead of reading a dispatched pool? One CTA per SM
+// fills a 4-stage shared-memory ring with `rows` copies of `bytes` each per stage from 16384 rows of
+// 4 KB (x at the 30B shape), four consumer warps release the stages, and the kernel is timed over
+// 196608 stages in all. The producer warp loads a stage's row indices (one per lane and 32 rows)
+// before it issues any of its copies. Kinds:
+//   bulk        one thread issues a cp.async.bulk per row (rows padded by 16 bytes, as ldmatrix
+//               would read them), rows at random
+//   bulk-seq    the same over consecutive rows
+//   bulk-warp   lane l of the producer warp issues the copies of rows l, l + 32, ...
+//   box         one thread issues a 2D TMA box of bytes x 1 row per row (bytes <= 512)
+// Built with the tests (CMakeLists.txt): <build dir>/gather_copy_rate 512 64 bulk-warp
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    const cudaError_t status = (call);                                                       \
+    if (status != cudaSuccess) {                                                             \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(status));             \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+namespace {
+
+constexpr int kRowBytes = 4096;
+constexpr int kTokens = 16384;
+constexpr int kRoutes = kTokens * 8;
+constexpr int kRing = 4;
+constexpr int kTotalStages = 196608;
+constexpr int kMaxRows = 128;
+enum Kind { kBulk, kBulkSeq, kBulkWarp, kBox };
+
+__device__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ void barrier_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes));
+}
+__device__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)));
+}
+__device__ void barrier_wait(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(phase));
+}
+__device__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ void box_copy(void* dst, const CUtensorMap* map, int column, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(column), "r"(row)
+      : "memory");
+}
+
+int stage_bytes(int bytes, int rows) { return ((rows * (bytes + 16) + 1023) / 1024) * 1024; }
+
+__global__ void __launch_bounds__(160, 1)
+gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, int bytes, int rows, int stages,
+       Kind kind, const __grid_constant__ CUtensorMap map, int* sink) {
+  extern __shared__ __align__(1024) uint8_t ring[];
+  __shared__ uint64_t full[kRing], empty[kRing];
+  const int pitch = bytes + 16;
+  const int ring_stage = ((rows * pitch + 1023) / 1024) * 1024;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      barrier_init(&full[s], 1);
+      barrier_init(&empty[s], 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  if (warp == 0) {  // producer: lane 0 issues, or every lane for bulk-warp
+    for (int i = 0; i < stages; ++i) {
+      const int s = i % kRing;
+      const int64_t stage = int64_t(blockIdx.x) * stages + i;
+      const int segment = int(stage % (kRowBytes / bytes));
+      const int64_t first_route = stage / (kRowBytes / bytes) * rows;
+      int32_t token[kMaxRows / 32];  // lane l: the tokens of rows l, l + 32, ...: loaded before any copy
+#pragma unroll
+      for (int j = 0; j < kMaxRows / 32; ++j) {
+        const int64_t route = (first_route + lane + 32 * j) % kRoutes;
+        token[j] = lane + 32 * j >= rows ? 0 : kind == kBulkSeq ? int(route % kTokens) : route_tokens[route];
+      }
+      barrier_wait(&empty[s], ((i / kRing) & 1) ^ 1);
+      if (lane == 0) barrier_expect(&full[s], uint32_t(rows * bytes));
+      __syncwarp();
+      const auto copy = [&](int r, int row_token) {
+        if (kind == kBox) {
+          box_copy(ring + s * ring_stage + r * bytes, &map, segment * bytes / 2, row_token, &full[s]);
+        } else {
+          bulk_copy(ring + s * ring_stage + r * pitch, x + int64_t(row_token) * kRowBytes + segment * bytes,
+                    uint32_t(bytes), &full[s]);
+        }
+      };
+#pragma unroll
+      for (int j = 0; j < kMaxRows / 32; ++j) {
+        if (kind == kBulkWarp) {  // one warp instruction issues 32 rows' copies
+          if (32 * j + lane < rows) copy(32 * j + lane, token[j]);
+        } else {
+          for (int l = 0; l < 32 && 32 * j + l < rows; ++l) {
+            const int row_token = __shfl_sync(0xffffffffu, token[j], l);
+            if (lane == 0) copy(32 * j + l, row_token);
+          }
+        }
+      }
+    }
+  } else if (lane == 0) {  // consumers: one arrive per warp and stage
+    int seen = 0;
+    for (int i = 0; i < stages; ++i) {
+      const int s = i % kRing;
+      barrier_wait(&full[s], (i / kRing) & 1);
+      seen += ring[s * ring_stage + warp * 64];
+      barrier_arrive(&empty[s]);
+    }
+    if (seen == -1) *sink = seen;
+  }
+}
+
+CUtensorMap row_boxes(void* x, int bytes) {
+  typedef CUresult (*Encode)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                             const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                             CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* encode = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, &found));
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {kRowBytes / 2, kTokens};
+  const cuuint64_t strides[1] = {kRowBytes};
+  const cuuint32_t box[2] = {cuuint32_t(bytes / 2), 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  if (reinterpret_cast<Encode>(encode)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, dims, strides, box,
+                                       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed\n");
+    std::exit(1);
+  }
+  return map;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::printf("usage: %s <bytes per copy> <rows per stage> bulk|bulk-seq|bulk-warp|box\n", argv[0]);
+    return 2;
+  }
+  const int bytes = std::atoi(argv[1]), rows = std::atoi(argv[2]);
+  const char* names[] = {"bulk", "bulk-seq", "bulk-warp", "box"};
+  int kind = -1;
+  for (int k = 0; k < 4; ++k) kind = std::strcmp(argv[3], names[k]) == 0 ? k : kind;
+  const int smem = kRing * stage_bytes(bytes, rows) + 1024;
+  if (kind < 0 || bytes < 16 || bytes % 16 || kRowBytes % bytes || rows < 1 || rows > kMaxRows || smem > 227 * 1024 ||
+      (kind == kBox && bytes > 512)) {
+    std::printf("bytes: a multiple of 16 dividing 4096 (box: up to 512); rows up to 128; the ring of 4 stages within 227 KB\n");
+    return 2;
+  }
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  uint8_t* x = nullptr;
+  int32_t* route_tokens = nullptr;
+  int* sink = nullptr;
+  CHECK(cudaMalloc(&x, size_t(kTokens) * kRowBytes));
+  CHECK(cudaMemset(x, 1, size_t(kTokens) * kRowBytes));
+  std::vector<int32_t> tokens(kRoutes);
+  std::srand(1);
+  for (int32_t& t : tokens) t = std::rand() % kTokens;
+  CHECK(cudaMalloc(&route_tokens, tokens.size() * sizeof(int32_t)));
+  CHECK(cudaMemcpy(route_tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&sink, sizeof(int)));
+  const CUtensorMap map = kind == kBox ? row_boxes(x, bytes) : CUtensorMap{};
+  CHECK(cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int stages = kTotalStages / sms;
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  float ms = 0.f;
+  for (int run = 0; run < 2; ++run) {  // the first warms up
+    CHECK(cudaEventRecord(start));
+    gather<<<sms, 160, smem>>>(x, route_tokens, bytes, rows, stages, Kind(kind), map, sink);
+    CHECK(cudaEventRecord(stop));
+    CHECK(cudaEventSynchronize(stop));
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+  }
+  const double us_per_stage = ms * 1e3 / stages;
+  std::printf("%-9s %4d B x %3d rows per stage: %.3f us per stage and SM, %.1f copies per us and SM, %.2f TB/s\n",
+              names[kind], bytes, rows, us_per_stage, rows / us_per_stage,
+              double(stages) * sms * rows * bytes / (ms * 1e-3) / 1e12);
+  return 0;
+}
