@@ -49,9 +49,6 @@ __device__ void barrier_init(uint64_t* bar, int count) {
 __device__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes));
 }
-__device__ void barrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)));
-}
 __device__ void barrier_wait(uint64_t* bar, uint32_t phase) {
   asm volatile(
       "{\n.reg .pred p;\nWAIT_%=:\n"
@@ -72,13 +69,12 @@ __device__ void multicast_copy(void* dst, const void* src, uint32_t bytes, uint6
       "l"(src), "r"(bytes), "r"(smem_u32(bar)), "h"(ctas)
       : "memory");
 }
-// Arrive on the barrier at bar's offset in the shared memory of the cluster's CTA `cta`.
+// Arrive on the barrier at bar's offset in the shared memory of the cluster's CTA `cta` (a launch
+// without clusters is a cluster of one CTA).
 __device__ void barrier_arrive_in(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(cta));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote));
 }
 __device__ uint32_t cluster_rank() {
   uint32_t rank;
@@ -161,13 +157,7 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
       const int s = i % kRing;
       barrier_wait(&full[s], (i / kRing) & 1);
       seen += ring[s * ring_stage + warp * 64];
-      for (int c = 0; c < cluster; ++c) {
-        if (cluster > 1) {
-          barrier_arrive_in(&empty[s], uint32_t(c));
-        } else {
-          barrier_arrive(&empty[s]);
-        }
-      }
+      for (int c = 0; c < cluster; ++c) barrier_arrive_in(&empty[s], uint32_t(c));
     }
     if (seen == -1) *sink = seen;
   }
