@@ -90,7 +90,8 @@ __device__ void box_copy(void* dst, const CUtensorMap* map, int column, int row,
       : "memory");
 }
 
-int stage_bytes(int bytes, int rows) { return ((rows * (bytes + 16) + 1023) / 1024) * 1024; }
+// A ring stage: `rows` rows padded by 16 bytes, rounded up to 1 KB.
+__host__ __device__ int stage_bytes(int bytes, int rows) { return ((rows * (bytes + 16) + 1023) / 1024) * 1024; }
 
 __global__ void __launch_bounds__(160, 1)
 gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, int bytes, int rows, int stages,
@@ -98,7 +99,7 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
   extern __shared__ __align__(1024) uint8_t ring[];
   __shared__ uint64_t full[kRing], empty[kRing];
   const int pitch = bytes + 16;
-  const int ring_stage = ((rows * pitch + 1023) / 1024) * 1024;
+  const int ring_stage = stage_bytes(bytes, rows);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kRing; ++s) {
       barrier_init(&full[s], 1);
@@ -127,6 +128,9 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
       const auto copy = [&](int r, int row_token) {
         if (kind == kBox) {
           box_copy(ring + s * ring_stage + r * bytes, &map, segment * bytes / 2, row_token, &full[s]);
+        } else if (cluster > 1) {
+          multicast_copy(ring + s * ring_stage + r * pitch, x + int64_t(row_token) * kRowBytes + segment * bytes,
+                         uint32_t(bytes), &full[s], uint16_t((1u << cluster) - 1));
         } else {
           bulk_copy(ring + s * ring_stage + r * pitch, x + int64_t(row_token) * kRowBytes + segment * bytes,
                     uint32_t(bytes), &full[s]);
@@ -136,13 +140,7 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
       for (int j = 0; j < kMaxRows / 32; ++j) {
         if (kind == kBulkWarp) {  // one warp instruction issues 32 rows' copies
           const int r = 32 * j + lane;
-          if (r >= rows || r % cluster != rank) continue;
-          if (cluster > 1) {
-            multicast_copy(ring + s * ring_stage + r * pitch, x + int64_t(token[j]) * kRowBytes + segment * bytes,
-                           uint32_t(bytes), &full[s], uint16_t((1u << cluster) - 1));
-          } else {
-            copy(r, token[j]);
-          }
+          if (r < rows && r % cluster == rank) copy(r, token[j]);  // in a cluster: every C-th row
         } else {
           for (int l = 0; l < 32 && 32 * j + l < rows; ++l) {
             const int row_token = __shfl_sync(0xffffffffu, token[j], l);
