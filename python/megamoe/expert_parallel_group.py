@@ -24,10 +24,12 @@ own GPU; the buffers grow, never shrink, at a point where no kernel of any rank 
 flight. Ranks on different GPUs need peer access between them (NVLink or PCIe P2P) and processes
 that see every GPU of the group under the same numbering; W processes may also share one GPU.
 
-The backward keeps the owner's pool of x and the plans from the forward (with recompute=True only x
-and the plans: x is published beside dy and its pool pulled again), recomputes z, and uses the
-same two-barrier call for dy: owners compute dh, dp, dx per route (into the shared out pool) and
-their own experts' weight gradients; ranks pull dx rows and dp values back. It has no host
+The backward keeps the owner's pool of x and the plans from the forward and recomputes z (with
+recompute=True it keeps only x and the plans: x is published beside dy and its pool pulled again;
+with recompute="gather" also the owner's z, which it then does not recompute; z is sized for every
+route of the group, as the owner's pools are), and uses the same two-barrier call for dy: owners
+compute dh, dp, dx per route (into the shared out pool) and their own experts' weight gradients;
+ranks pull dx rows and dp values back. It has no host
 collective, so a rank that skips it makes its peers time out, not hang. (The forward's metadata
 all-gather is a host collective: a rank that never arrives there is caught by the process group's
 own timeout, `init_process_group(timeout=...)`.)
@@ -64,8 +66,8 @@ from . import _native, fp8
 from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
-from .gemm import (gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm, grouped_gemm_fp8,
-                   grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
+from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm,
+                   grouped_gemm_fp8, grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
@@ -227,7 +229,7 @@ class _Meta:
 
     @classmethod
     def gather(cls, ws: _Workspace, x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, precision: str,
-               recompute: bool) -> _Meta:
+               recompute: bool, keep_z: bool) -> _Meta:
         """The metadata all-gather, the plan, and the shared buffers grown to this call's sizes."""
         num_local, two_i, hidden = w13.shape
         top_k = topk_ids.shape[1]
@@ -245,7 +247,7 @@ class _Meta:
         ids_all = meta._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
         meta.plan = build_routing(ids_all, meta.num_experts, ws.rank * num_local, num_local)
         meta.id_range = IdRangeCheck(meta.plan, meta.num_experts)
-        ws.reserve(meta._buffer_sizes(hidden, precision, recompute))
+        ws.reserve(meta._buffer_sizes(hidden, precision, recompute, keep_z))
         return meta
 
     @classmethod
@@ -259,7 +261,8 @@ class _Meta:
                                                 ws.rank * num_local)
         return meta
 
-    def _buffer_sizes(self, hidden: int, precision: str, recompute: bool) -> dict[str, tuple[int, torch.dtype]]:
+    def _buffer_sizes(self, hidden: int, precision: str, recompute: bool,
+                      keep_z: bool) -> dict[str, tuple[int, torch.dtype]]:
         max_tokens, top_k = max(self.tokens), self.top_k
         sizes = {"rows": (max_tokens * hidden, torch.bfloat16), "weights": (max_tokens * top_k, torch.float32),
                  "route_to_slot": (self.total_routes, torch.int32),
@@ -269,7 +272,7 @@ class _Meta:
                     "scales": (max_tokens * fp8.token_scale_columns(hidden), torch.float32)}
         if precision != "bf16":
             sizes |= fp8_rows
-        if recompute and precision == "fp8":  # the backward publishes x again beside dy, in e4m3 for z
+        if recompute and not keep_z and precision == "fp8":  # the backward publishes x again, in e4m3 for z
             sizes |= {f"x_{name}": size for name, size in fp8_rows.items()}
         if recompute or precision == "fp8":  # and in bf16 for dW13 (and z in bf16)
             sizes |= {"x_rows": sizes["rows"]}
@@ -354,7 +357,7 @@ def _fp8_pool(pools: dict[str, torch.Tensor], hidden: int, prefix: str = "") -> 
 
 def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, activation: str = "swiglu",
                    x_scales: torch.Tensor | None = None, dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   x_bf16: torch.Tensor | None = None) -> torch.Tensor:
+                   x_bf16: torch.Tensor | None = None, z: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' owner's part of the backward, on its pools of x, dy and p (each row's topk weight):
     z recomputed, dh through the activation's backward, dx per route in pool order into dx_pool, its
     experts' weight gradients into dw13 / dw2 (bf16 written, fp32 added to); returns dp over the
@@ -362,8 +365,11 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
     it too). In block FP8 as the single-rank op (megamoe/fused.py): dy_fp8, the e4m3 pool of dy with
     its scales, makes dh, dx and the weight gradients FP8 GEMMs; with x_scales the pool of x is e4m3
     ("fp8": z recomputed in FP8, dW13 on x_bf16, the pool of x's bf16 rows), without it bf16
-    ("fp8_bwd", and x_bf16 is x_pool)."""
-    if x_scales is None:
+    ("fp8_bwd", and x_bf16 is x_pool). With z (the forward's, kept), none is recomputed and x_pool is
+    bf16 in every precision."""
+    if z is not None:
+        x_bf16 = x_pool
+    elif x_scales is None:
         z, x_bf16 = recompute_z(x_pool, w13, plan, activation), x_pool
     else:
         w13_fp8 = fp8.quantized_weight(w13)
@@ -393,37 +399,40 @@ def _combine(ws: _Workspace, meta: _Meta, weights: torch.Tensor | None, like: to
                                meta.route_offsets[ws.rank], like, meta.top_k)
 
 
-def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute):
-    """(y, (x_pool, x_scales), meta): the layer's forward for this rank's tokens; x_scales is None but
-    in "fp8", where the pool of x is e4m3."""
-    meta = _Meta.gather(ws, x, topk_ids, w13, precision, recompute)
+def _forward(ws: _Workspace, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute, keep_z):
+    """(y, (x_pool, x_scales), z, meta): the layer's forward for this rank's tokens; x_scales is None but
+    in "fp8", where the pool of x is e4m3; z, GEMM1's gate | up for the backward, with keep_z only
+    (else None)."""
+    meta = _Meta.gather(ws, x, topk_ids, w13, precision, recompute, keep_z)
     plan = meta.plan
     if meta.total_routes == 0:
-        return torch.zeros_like(x), (x.new_empty(0, x.shape[1]), None), meta
+        return torch.zeros_like(x), (x.new_empty(0, x.shape[1]), None), None, meta
+    z = empty_z(plan, w13) if keep_z else None
     if precision == "fp8":
         pools, _ = _publish_and_pull(ws, meta, plan, _fp8_rows(x))
         x_pool, x_scales = _fp8_pool(pools, x.shape[1])
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
-        h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation)
+        h, h_scales = gated_gemm_fp8(x_pool, x_scales, w13_fp8.q, w13_fp8.scales, plan, activation, z)
         out = ws.local("out", x_pool.numel()).view(x_pool.shape[0], x.shape[1])
         grouped_gemm_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, out=out)
     else:
         pools, _ = _publish_and_pull(ws, meta, plan, {"rows": x})
         x_pool, x_scales = pools["rows"], None
-        h = gated_gemm(x_pool, w13, plan, activation)
+        h = gated_gemm(x_pool, w13, plan, activation, z)
         out = ws.local("out", x_pool.numel()).view(x_pool.shape)
         grouped_gemm(h, w2, plan, out=out)
     del h
     y = _combine(ws, meta, topk_weights, x)
     ws.raise_if_timed_out()
     meta.id_range.raise_if_any()
-    return y, (x_pool, x_scales), meta
+    return y, (x_pool, x_scales), z, meta
 
 
-def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights, w13, w2, main_grad13, main_grad2,
-              activation, precision):
+def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, z, topk_weights, w13, w2, main_grad13,
+              main_grad2, activation, precision):
     """(dx, d topk_weights, dw13, dw2) for this rank (dw13 / dw2 None when added into main_grad). x_pool
-    None (recompute): x is published beside dy and its pool pulled again."""
+    None (recompute): x is published beside dy and its pool pulled again, in bf16 only when z was kept
+    (not None: no z to recompute)."""
     plan = meta.plan
     weights = topk_weights.to(torch.float32).contiguous()
     dw13 = torch.empty_like(w13) if main_grad13 is None else None
@@ -433,20 +442,21 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, topk_weights
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
     dy = dy.contiguous()
     rows = {"rows": dy} if precision == "bf16" else {"rows": dy, **_fp8_rows(dy)}
-    if x_pool is None and precision == "fp8":
+    if x_pool is None and z is None and precision == "fp8":
         rows |= _fp8_rows(x, "x_")
     if x_pool is None or precision == "fp8":  # dW13 reads x's bf16 rows, not the e4m3 pool of "fp8"
         rows |= {"x_rows": x}
     pools, p_pool = _publish_and_pull(ws, meta, plan, rows, weights)
     if x_pool is None:
-        x_pool, x_scales = _fp8_pool(pools, x.shape[1], "x_") if precision == "fp8" else (pools["x_rows"], None)
+        fp8_x = precision == "fp8" and z is None
+        x_pool, x_scales = _fp8_pool(pools, x.shape[1], "x_") if fp8_x else (pools["x_rows"], None)
     dy_pool, dy_fp8 = pools["rows"], None if precision == "bf16" else _fp8_pool(pools, dy.shape[1])
     dx_pool = ws.local("out", dy_pool.numel()).view(dy_pool.shape)  # dx per route, read by the peers
     ws.local("dp", meta.total_routes).copy_(owner_backward(
         x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool,
         dw13 if main_grad13 is None else main_grad13, dw2 if main_grad2 is None else main_grad2, activation,
-        x_scales, dy_fp8, pools.get("x_rows")))
-    del pools, x_pool, x_scales, dy_pool, dy_fp8, p_pool
+        x_scales, dy_fp8, pools.get("x_rows"), z))
+    del pools, x_pool, x_scales, z, dy_pool, dy_fp8, p_pool
     dx = _combine(ws, meta, None, dy)
     # Each route's dp is non-zero in its owner's vector only, so the sum over owners is exact.
     begin, end = meta.route_offsets[ws.rank], meta.route_offsets[ws.rank + 1]
@@ -472,26 +482,30 @@ def _empty_kept(x: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor
 @torch.library.custom_op("megamoe::group_moe_forward", mutates_args=())
 def group_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
-                      keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      keep_z: bool, keep: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, x_pool, x_scales, plan, tokens) of this rank over the process group named group_name. With
     keep (a backward will run): the routing plan's buffer, every rank's token count (int64 on the
     host) and, unless recompute, this owner's pool of x (e4m3 with its scales [H / 128, rows] in
-    "fp8", bf16 and empty scales otherwise); all empty without keep. One op, so torch.compile
+    "fp8", bf16 and empty scales otherwise), or with recompute and keep_z (recompute="gather") its z
+    [routes, 2I] bf16 in the pool's place; all empty without keep. One op, so torch.compile
     traces a layer with group= as one node (the fake implementation sizes what is kept by the
     group's token total, which only the all-gather knows)."""
     ws = _workspace(_group(group_name), x.device)
-    y, (x_pool, x_scales), meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision, recompute)
+    keep_z = keep and keep_z
+    y, (x_pool, x_scales), z, meta = _forward(ws, x, topk_ids, topk_weights, w13, w2, activation, precision,
+                                              recompute, keep_z)
     empty_pool, empty_scales, empty_plan, no_tokens = _empty_kept(x, ws.world)
     if not keep:
         return y, empty_pool, empty_scales, empty_plan, no_tokens
     if recompute:
-        x_pool, x_scales = empty_pool, empty_scales
+        x_pool, x_scales = empty_pool if z is None else z, empty_scales
     return (y, x_pool, empty_scales if x_scales is None else x_scales,
             empty_plan if meta.plan is None else meta.plan.buffer, torch.tensor(meta.tokens, dtype=torch.int64))
 
 
 @group_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, recompute, keep):
+def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, recompute, keep_z, keep):
     check_activation(activation)
     check_fused_precision(precision)
     world = _group(group_name).size()
@@ -499,7 +513,9 @@ def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, rec
     if keep:  # sized by the group's token total: one unbacked size each, as torch.compile requires
         ctx = torch.library.get_ctx()
         plan = x.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
-        if not recompute:
+        if recompute and keep_z:
+            x_pool = x.new_empty(ctx.new_dynamic_size(), w13.shape[1])
+        elif not recompute:
             rows, hidden = ctx.new_dynamic_size(), x.shape[1]
             if precision == "fp8":
                 x_pool = x.new_empty(rows, hidden, dtype=torch.float8_e4m3fn)
@@ -513,31 +529,34 @@ def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, rec
 def group_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, x_pool: torch.Tensor, x_scales: torch.Tensor, plan: torch.Tensor,
                        tokens: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
-                       main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
+                       keep_z: bool, main_grad13: torch.Tensor | None, main_grad2: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, dw13, dw2) from what group_moe_forward kept (x: the input with recompute or
-    in "fp8", else empty). Every rank computes all four (the owners' kernels serve every rank); a weight
-    gradient added into its main_grad comes back empty."""
+    in "fp8", else empty; with recompute and keep_z, z in x_pool's place). Every rank computes all
+    four (the owners' kernels serve every rank); a weight gradient added into its main_grad comes back
+    empty."""
     ws = _workspace(_group(group_name), dy.device)
     meta = _Meta.kept(ws, tokens, plan, topk_weights.shape[1], w13.shape[0])
     kept_pool = (None, None) if recompute else (x_pool, x_scales if x_scales.numel() else None)
-    dx, dweights, dw13, dw2 = _backward(ws, meta, dy, x, *kept_pool, topk_weights, w13, w2, main_grad13, main_grad2,
-                                        activation, precision)
+    z = x_pool if recompute and keep_z else None
+    dx, dweights, dw13, dw2 = _backward(ws, meta, dy, x, *kept_pool, z, topk_weights, w13, w2, main_grad13,
+                                        main_grad2, activation, precision)
     return dx, dweights, *(w.new_empty(0) if g is None else g for g, w in ((dw13, w13), (dw2, w2)))
 
 
 @group_moe_backward.register_fake
 def _(dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens, group_name, activation, precision, recompute,
-      main_grad13, main_grad2):
+      keep_z, main_grad13, main_grad2):
     return (torch.empty_like(dy), torch.empty_like(topk_weights),
             *(w.new_empty(0) if main is not None else torch.empty_like(w) for w, main in ((w13, main_grad13),
                                                                                         (w2, main_grad2))))
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, w13, w2, group_name, activation, precision, recompute, _ = inputs
+    x, _, topk_weights, w13, w2, group_name, activation, precision, recompute, keep_z, _ = inputs
     _, x_pool, x_scales, plan, tokens = output
-    ctx.group_name, ctx.activation, ctx.precision, ctx.recompute = group_name, activation, precision, recompute
+    ctx.group_name, ctx.activation, ctx.precision = group_name, activation, precision
+    ctx.recompute, ctx.keep_z = recompute, keep_z
     ctx.mark_non_differentiable(x_pool, x_scales, plan, tokens)
     ctx.set_materialize_grads(False)
     # recompute keeps the input, not the pool; "fp8" keeps it beside the e4m3 pool, for dW13's bf16 rows.
@@ -550,20 +569,21 @@ def _backward_of_forward(ctx, dy, _dx_pool, _dx_scales, _dplan, _dtokens):
     # Every rank computes all four gradients (the owners' kernels serve every rank).
     return autograd_backward(ctx, dy, w13, w2, lambda _needs, main_grads: group_moe_backward(
         dy, x, topk_weights, w13, w2, x_pool, x_scales, plan, tokens, ctx.group_name, ctx.activation,
-        ctx.precision, ctx.recompute, *main_grads))
+        ctx.precision, ctx.recompute, ctx.keep_z, *main_grads))
 
 
 group_moe_forward.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 def group_moe(x, topk_ids, topk_weights, w13, w2, group, activation: str = "swiglu", precision: str = "bf16",
-              recompute: bool = False) -> torch.Tensor:
+              recompute: bool | str = False) -> torch.Tensor:
     """y [T_r, H] for this rank's tokens, its experts' weights w13 [E_local, 2I, H], w2 [E_local, H, I];
-    differentiable like megamoe.moe, in `precision` ("bf16", "fp8", "fp8_bwd"); with recompute, only the
-    inputs are kept and the backward pulls x again beside dy. Every rank of `group` must make the same
-    calls in the same order."""
+    differentiable like megamoe.moe, in `precision` ("bf16", "fp8", "fp8_bwd"); with recompute=True, only
+    the inputs are kept and the backward pulls x again beside dy and recomputes z; with "gather", the
+    owners keep z and the backward pulls x again. Every rank of `group` must make the same calls in
+    the same order."""
     check_activation(activation)
     check_fused_precision(precision)
     backward_will_run = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    return group_moe_forward(x, topk_ids, topk_weights, w13, w2, group.group_name, activation, precision, recompute,
-                             backward_will_run)[0]
+    return group_moe_forward(x, topk_ids, topk_weights, w13, w2, group.group_name, activation, precision,
+                             bool(recompute), recompute == "gather", backward_will_run)[0]

@@ -82,10 +82,6 @@ def check_options(backend: str, precision: str = "bf16", recompute: bool | str =
     if group is not None and backend != "fused":
         raise NotImplementedError(
             f"expert parallelism over a process group runs backend='fused', got backend={backend!r}")
-    if group is not None and recompute == "gather":
-        raise NotImplementedError(
-            "recompute='gather' is not implemented with group= yet; over a process group pass recompute=True "
-            "(keep only the inputs) or False")
 
 
 def check_fused_precision(precision: str) -> None:

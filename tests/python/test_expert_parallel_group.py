@@ -123,12 +123,14 @@ def test_group_in_fp8_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precisi
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision,recompute", [("bf16", True), ("fp8", True), ("bf16", "gather"),
+                                                ("fp8", "gather"), ("fp8_bwd", "gather")])
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [100, 0, 64, 1]])
-def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision):
-    """recompute=True over the group: only the inputs kept, x pulled again beside dy in the backward."""
+def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision, recompute):
+    """recompute=True over the group: only the inputs kept, x pulled again beside dy in the backward;
+    "gather": the owners keep z too, and do not recompute it."""
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, "swiglu", precision,
-           True)
+           recompute)
 
 
 @requires_cuda
@@ -166,7 +168,6 @@ def world_of_one(tmp_path):
 
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"backend": "grouped"}, NotImplementedError, "over a process group runs backend='fused'"),
-    ({"recompute": "gather"}, NotImplementedError, "recompute='gather' is not implemented with group= yet"),
     ({}, ValueError, "runs on CUDA tensors"),
 ])
 def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
@@ -210,7 +211,8 @@ def test_ep_bench_ranks_derive_the_same_iteration_counts_from_the_slowest_probe(
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("bf16", True), ("fp8", False), ("fp8_bwd", True)])
+@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("bf16", True), ("fp8", False), ("fp8_bwd", True),
+                                                ("fp8", "gather")])
 def test_group_traces_whole_under_torch_compile(world_of_one, monkeypatch, precision, recompute):
     """torch.compile(fullgraph=True) of a layer with group= traces into one graph holding one forward
     and one backward op (through their fake implementations). Tracing only: the backend stops before

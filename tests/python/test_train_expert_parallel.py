@@ -44,10 +44,9 @@ def test_expert_parallel_without_torchrun_says_how_to_launch(tmp_path, monkeypat
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_gathering_x_again_is_refused_with_expert_parallelism(tmp_path):
-    with pytest.raises(ConfigError, match=r"activation_checkpointing = 'moe-gather': is not implemented with "
-                                          r"\[moe\]\.expert_parallel > 1"):
-        tiny(tmp_path, "moe.backend=fused", "moe.expert_parallel=2", "train.activation_checkpointing=moe-gather")
+def test_gathering_x_again_is_accepted_with_expert_parallelism(tmp_path):
+    config = tiny(tmp_path, "moe.backend=fused", "moe.expert_parallel=2", "train.activation_checkpointing=moe-gather")
+    assert (config.moe.expert_parallel, config.train.activation_checkpointing) == (2, "moe-gather")
 
 
 def test_more_ranks_than_one_host_has_gpus_are_refused(tmp_path):
@@ -95,8 +94,9 @@ def _train_rank(rank, world, port, out_dir, overrides):
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path):
-    steps = ("train.steps=4", "output.checkpoint_every=4")
+@pytest.mark.parametrize("checkpointing", ["none", "moe-gather"])
+def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path, checkpointing):
+    steps = ("train.steps=4", "output.checkpoint_every=4", f"train.activation_checkpointing={checkpointing}")
     mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", *steps]), nprocs=2,
              join=True)
     one = train(tiny(tmp_path / "one", "train.device=cuda", "moe.backend=fused", "train.batch_size=4", *steps),

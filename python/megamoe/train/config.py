@@ -247,8 +247,4 @@ def _validate(config: Config) -> None:
     _require(train.activation_checkpointing != "moe-gather" or moe.backend == "fused",
              "[train].activation_checkpointing", train.activation_checkpointing,
              "is the fused experts' own (set [moe].backend = 'fused', or use 'moe')")
-    _require(train.activation_checkpointing != "moe-gather" or moe.expert_parallel == 1,
-             "[train].activation_checkpointing", train.activation_checkpointing,
-             "is not implemented with [moe].expert_parallel > 1 yet; use 'moe' (the fused experts keep only their "
-             "inputs) or 'full'")
     _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")
