@@ -135,7 +135,7 @@ def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank,
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("fp8", True)])
+@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("fp8", True), ("fp8_bwd", "gather")])
 def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path, precision, recompute):
     _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, False, "swiglu", precision, recompute, True)
 
