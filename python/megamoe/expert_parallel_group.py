@@ -442,13 +442,13 @@ def _backward(ws: _Workspace, meta: _Meta, dy, x, x_pool, x_scales, z, topk_weig
                 None if dw13 is None else dw13.zero_(), None if dw2 is None else dw2.zero_())
     dy = dy.contiguous()
     rows = {"rows": dy} if precision == "bf16" else {"rows": dy, **_fp8_rows(dy)}
-    if x_pool is None and z is None and precision == "fp8":
+    fp8_x = x_pool is None and z is None and precision == "fp8"  # x again in e4m3, to recompute z in FP8
+    if fp8_x:
         rows |= _fp8_rows(x, "x_")
     if x_pool is None or precision == "fp8":  # dW13 reads x's bf16 rows, not the e4m3 pool of "fp8"
         rows |= {"x_rows": x}
     pools, p_pool = _publish_and_pull(ws, meta, plan, rows, weights)
     if x_pool is None:
-        fp8_x = precision == "fp8" and z is None
         x_pool, x_scales = _fp8_pool(pools, x.shape[1], "x_") if fp8_x else (pools["x_rows"], None)
     dy_pool, dy_fp8 = pools["rows"], None if precision == "bf16" else _fp8_pool(pools, dy.shape[1])
     dx_pool = ws.local("out", dy_pool.numel()).view(dy_pool.shape)  # dx per route, read by the peers
