@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -36,8 +38,10 @@ class MoELayer(nn.Module):
     token by sigmoid(x · shared_expert_gate) (Qwen2-MoE). It runs in the same experts call as the
     routed ones: its width is cut into S = width / moe_intermediate_size slices of the experts'
     size (the activation is elementwise, so the slices' outputs add up to the MLP's), stored as the
-    last S experts of w13 / w2, and every token is routed to all S with its gate as weight.
-    load_shared_expert copies a transformers-layout shared MLP in.
+    last S experts of w13 / w2, and every token is routed to all S with its gate as weight. With a
+    group, the shared slices are replicated on every rank as shared_w13 [S, 2I, H] / shared_w2 [S, H, I]
+    (average their gradients over the ranks, as the gate's) and run on the rank's own tokens in a
+    second, local experts call. load_shared_expert copies a transformers-layout shared MLP in.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
@@ -50,8 +54,7 @@ class MoELayer(nn.Module):
         self.activation = activation
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must lie in [1, num_experts = {num_experts}], got {top_k}")
-        self.num_shared = _shared_slices(shared_expert_intermediate_size, moe_intermediate_size, shared_expert_gate,
-                                         group)
+        self.num_shared = _shared_slices(shared_expert_intermediate_size, moe_intermediate_size, shared_expert_gate)
         _, world = group_rank_and_size(group)
         if num_experts % world:
             raise ValueError(f"num_experts = {num_experts} must be divisible by the group size {world}")
@@ -61,9 +64,16 @@ class MoELayer(nn.Module):
         self.initializer_range = initializer_range
         factory = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        local = num_experts // world + self.num_shared
+        # One rank holds the shared slices as its last experts (one experts call); a group replicates them.
+        local = num_experts // world + (self.num_shared if group is None else 0)
         self.w13 = nn.Parameter(torch.empty(local, 2 * moe_intermediate_size, hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, moe_intermediate_size, **factory))
+        if self.num_shared and group is not None:
+            self.shared_w13 = nn.Parameter(torch.empty(self.num_shared, 2 * moe_intermediate_size, hidden_size,
+                                                       **factory))
+            self.shared_w2 = nn.Parameter(torch.empty(self.num_shared, hidden_size, moe_intermediate_size, **factory))
+        else:
+            self.shared_w13 = self.shared_w2 = None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
         if use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
@@ -79,8 +89,9 @@ class MoELayer(nn.Module):
     def reset_parameters(self) -> None:
         """As transformers initialises Qwen3-MoE: N(0, initializer_range) for the gate and the experts."""
         gates = (self.gate,) + ((self.shared_expert_gate,) if self.shared_expert_gate is not None else ())
-        for weight in (*(g.weight for g in gates), self.w13, self.w2):
-            weight.normal_(0.0, self.initializer_range)
+        for weight in (*(g.weight for g in gates), self.w13, self.w2, self.shared_w13, self.shared_w2):
+            if weight is not None:
+                weight.normal_(0.0, self.initializer_range)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
@@ -96,26 +107,28 @@ class MoELayer(nn.Module):
             with torch.no_grad():  # index_add_ rather than bincount: no host synchronisation
                 ids = routing.topk_ids.flatten()
                 self.expert_load.zero_().index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        x = x.contiguous()
+        experts = functools.partial(moe, backend=self.backend, precision=self.precision, recompute=self.recompute,
+                                    activation=self.activation)
         topk_ids, topk_weights = routing.topk_ids, routing.topk_weights
-        if self.num_shared:
-            topk_ids, topk_weights = self._route_to_shared_expert(x, topk_ids, topk_weights)
-        y = moe(x.contiguous(), topk_ids, topk_weights, self.w13, self.w2,
-                backend=self.backend, precision=self.precision, group=self.group, recompute=self.recompute,
-                activation=self.activation)
+        if self.num_shared and self.group is None:
+            shared_ids, shared_weights = self._shared_routes(x, topk_ids, first=self.num_experts)
+            topk_ids, topk_weights = torch.cat([topk_ids, shared_ids], 1), torch.cat([topk_weights, shared_weights], 1)
+        y = experts(x, topk_ids, topk_weights, self.w13, self.w2, group=self.group)
+        if self.num_shared and self.group is not None:
+            y = y + experts(x, *self._shared_routes(x, topk_ids, first=0), self.shared_w13, self.shared_w2)
         return y.view(hidden_states.shape), routing.router_logits
 
-    def _route_to_shared_expert(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """Every token's routes plus one to each slice of the shared expert (experts E .. E + S - 1),
-        weighted by its gate (1 without shared_expert_gate)."""
+    def _shared_routes(self, x: torch.Tensor, topk_ids: torch.Tensor, first: int):
+        """Every token's routes to the S slices of the shared expert (experts first .. first + S - 1),
+        weighted by its gate (1 without shared_expert_gate), in topk_ids' dtype and fp32."""
         tokens = x.shape[0]
-        shared_ids = torch.arange(self.num_experts, self.num_experts + self.num_shared, device=topk_ids.device,
-                                  dtype=topk_ids.dtype).expand(tokens, -1)
+        ids = torch.arange(first, first + self.num_shared, device=topk_ids.device, dtype=topk_ids.dtype)
         if self.shared_expert_gate is None:
-            gate = torch.ones(tokens, 1, device=x.device, dtype=topk_weights.dtype)
+            gate = torch.ones(tokens, 1, device=x.device, dtype=torch.float32)
         else:
-            gate = torch.sigmoid(self.shared_expert_gate(x).to(topk_weights.dtype))
-        return (torch.cat([topk_ids, shared_ids], dim=1),
-                torch.cat([topk_weights, gate.expand(-1, self.num_shared)], dim=1))
+            gate = torch.sigmoid(self.shared_expert_gate(x).float())
+        return ids.expand(tokens, -1).contiguous(), gate.expand(-1, self.num_shared).contiguous()
 
     @torch.no_grad()
     def load_shared_expert(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
@@ -130,10 +143,14 @@ class MoELayer(nn.Module):
             if tuple(weight.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)} for this layer's shared expert, got "
                                  f"{list(weight.shape)}")
-        first = self.w13.shape[0] - self.num_shared
-        self.w13[first:, :inter].copy_(gate_proj.view(self.num_shared, inter, hidden))
-        self.w13[first:, inter:].copy_(up_proj.view(self.num_shared, inter, hidden))
-        self.w2[first:].copy_(down_proj.view(hidden, self.num_shared, inter).transpose(0, 1))
+        if self.shared_w13 is None:
+            first = self.w13.shape[0] - self.num_shared
+            w13, w2 = self.w13[first:], self.w2[first:]
+        else:
+            w13, w2 = self.shared_w13, self.shared_w2
+        w13[:, :inter].copy_(gate_proj.view(self.num_shared, inter, hidden))
+        w13[:, inter:].copy_(up_proj.view(self.num_shared, inter, hidden))
+        w2.copy_(down_proj.view(hidden, self.num_shared, inter).transpose(0, 1))
 
     @torch.no_grad()
     def update_expert_bias(self, expert_load: torch.Tensor | None = None, rate: float = 1e-3) -> None:
@@ -155,7 +172,7 @@ class MoELayer(nn.Module):
                 f"shared_expert_slices={self.num_shared}, shared_expert_gate={self.shared_expert_gate is not None}")
 
 
-def _shared_slices(width: int, inter: int, gate: bool, group) -> int:
+def _shared_slices(width: int, inter: int, gate: bool) -> int:
     """How many expert-sized slices a shared expert of intermediate size `width` takes (0: none)."""
     if width == 0:
         if gate:
@@ -164,7 +181,4 @@ def _shared_slices(width: int, inter: int, gate: bool, group) -> int:
     if width < 0 or width % inter:
         raise ValueError(f"shared_expert_intermediate_size must be a positive multiple of moe_intermediate_size = "
                          f"{inter} (it runs as slices of the experts' size), got {width}")
-    if group is not None:
-        raise NotImplementedError("a shared expert with expert parallelism (group=) is not supported yet; "
-                                  "keep the shared MLP outside the MoELayer")
     return width // inter

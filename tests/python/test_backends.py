@@ -397,11 +397,11 @@ def test_gradients_accumulate_across_micro_batches(backend, device):
 def test_fused_keeps_no_more_for_the_backward_than_grouped():
     import functools
 
-    from megamoe.bench.runner import Operands, _saved_for_backward_gb
+    from megamoe.bench.runner import Operands, saved_for_backward_gb
 
     x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 2048, device="cuda")
     operands = Operands(leaf(x), ids, leaf(weights), leaf(w13), leaf(w2))
-    saved = {name: _saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
+    saved = {name: saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
              for name, kwargs in (("fused", dict(backend="fused")),
                                   ("gather", dict(backend="fused", recompute="gather")),
                                   ("recompute", dict(backend="fused", recompute=True)),

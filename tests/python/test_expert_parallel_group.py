@@ -18,6 +18,7 @@ import megamoe
 from conftest import requires_cuda
 from megamoe.activation import ACTIVATIONS
 from megamoe.expert_parallel_group import _workspace
+from megamoe.reference import relative_error
 from test_expert_parallel import _problem, _sm90
 
 
@@ -55,6 +56,59 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, on
                                 ("d topk_weights", w.grad, w1.grad[tokens]),
                                 ("dw13", w13.grad, w131.grad[experts]), ("dw2", w2.grad, w21.grad[experts])):
         assert torch.equal(got, expected), f"rank {rank}: {name} differs from the single-rank layer"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _moe_layer_matches_one_rank(rank, world, store, tokens_per_rank, precision, shared_gate):
+    """MoELayer over the group, with a shared expert (replicated, run on the rank's own tokens), against
+    the one-rank layer holding every expert and the shared slices, with the same parameters."""
+    _init(rank, world, store)
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)  # the same parameters and tokens in every process
+    options = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2, precision=precision,
+                   shared_expert_intermediate_size=256, shared_expert_gate=shared_gate, device="cuda")
+    whole = megamoe.MoELayer(**options)
+    layer = megamoe.MoELayer(**options, group=dist.group.WORLD)
+    local = 8 // world
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name in ("shared_w13", "shared_w2"):
+                source = whole.get_parameter(name.removeprefix("shared_"))[8:]
+            elif name in ("w13", "w2"):
+                source = whole.get_parameter(name)[rank * local:(rank + 1) * local]
+            else:
+                source = whole.get_parameter(name)
+            param.copy_(source)
+    x1 = torch.randn(sum(tokens_per_rank), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x1)
+    y1, _ = whole(x1)
+    y1.backward(dy)
+    tokens = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
+    x = _leaf(x1[tokens])
+    y, _ = layer(x)
+    y.backward(dy[tokens])
+
+    def summed(t):  # a replicated parameter's gradient from every rank's tokens
+        t = t.cpu().float()
+        dist.all_reduce(t)
+        return t
+
+    pairs = [("y", y, y1[tokens]), ("dx", x.grad, x1.grad[tokens]),
+             ("dw13", layer.w13.grad, whole.w13.grad[rank * local:(rank + 1) * local]),
+             ("dw2", layer.w2.grad, whole.w2.grad[rank * local:(rank + 1) * local]),
+             ("d shared_w13", summed(layer.shared_w13.grad), whole.w13.grad[8:]),
+             ("d shared_w2", summed(layer.shared_w2.grad), whole.w2.grad[8:]),
+             ("d gate", summed(layer.gate.weight.grad), whole.gate.weight.grad)]
+    if shared_gate:
+        pairs.append(("d shared_expert_gate", summed(layer.shared_expert_gate.weight.grad),
+                      whole.shared_expert_gate.weight.grad))
+    # One rank adds the shared slices in its experts' fp32 combine, a group adds two bf16 outputs; in FP8
+    # the shared slices' weight gradients also quantise other 128-token blocks (each rank's own tokens).
+    tolerance = 1e-2 if precision == "bf16" else 5e-2
+    for name, got, expected in pairs:
+        error = relative_error(got.float().cpu(), expected.float().cpu())
+        assert error < tolerance, f"rank {rank}: {name} is {error:.2e} from the one-rank layer"
     dist.barrier()
     dist.destroy_process_group()
 
@@ -149,6 +203,24 @@ def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("precision,shared_gate", [("bf16", True), ("fp8", False)])
+def test_moe_layer_with_shared_expert_over_a_group_matches_one_rank(tmp_path, precision, shared_gate):
+    _spawn(_moe_layer_matches_one_rank, 2, tmp_path, [300, 200], precision, shared_gate)
+
+
+def test_moe_layer_over_a_group_replicates_its_shared_expert(world_of_one):
+    """With a group, the shared slices are parameters of their own (replicated), not experts of w13 / w2."""
+    layer = megamoe.MoELayer(64, 32, num_experts=4, top_k=2, group=world_of_one, shared_expert_intermediate_size=64)
+    assert layer.w13.shape == (4, 64, 64) and layer.shared_w13.shape == (2, 64, 64)
+    assert layer.shared_w2.shape == (2, 64, 32)
+    gate_proj, up_proj, down_proj = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+    layer.load_shared_expert(*(t.bfloat16() for t in (gate_proj, up_proj, down_proj)))
+    assert torch.equal(layer.shared_w13[1, :32], gate_proj[32:].bfloat16())
+    assert torch.equal(layer.shared_w2[1], down_proj[:, 32:].bfloat16())
+
+
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 def test_rank_that_skips_the_backward_times_out_its_peer(tmp_path):
     _spawn(_peer_skips_backward, 2, tmp_path)
 
@@ -181,12 +253,17 @@ def test_group_rejects_what_it_does_not_run(world_of_one, kwargs, error, match):
 def test_ep_bench_runs_on_one_gpu(tmp_path):
     from megamoe.bench import ep
     assert ep.main(["--preset", "tiny", "--tokens", "256", "--one-gpu", "--warmup", "1", "--repeat", "2",
-                    "--warmup-seconds", "0", "--budget", "0.1", "--out", str(tmp_path)]) == 0
-    (record,) = json.loads((tmp_path / "ep_latest.json").read_text())["records"]
-    assert record["world"] == 2
-    assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms", "local_fwd_ms",
-                                       "local_fwdbwd_ms"))
-    assert record["exposed_fwd"] == 1 - record["local_fwd_ms"] / record["fwd_ms"]
+                    "--warmup-seconds", "0", "--budget", "0.1", "--precision", "fp8_bwd", "--recompute", "gather",
+                    "true", "--out", str(tmp_path)]) == 0
+    gather, inputs_only = json.loads((tmp_path / "ep_latest.json").read_text())["records"]
+    for record in (gather, inputs_only):
+        assert record["world"] == 2 and record["precision"] == "fp8_bwd"
+        assert all(record[k] > 0 for k in ("fwd_ms", "fwdbwd_ms", "one_gpu_fwd_ms", "one_gpu_fwdbwd_ms",
+                                           "local_fwd_ms", "local_fwdbwd_ms", "saved_gb", "one_gpu_saved_gb"))
+        assert record["exposed_fwd"] == 1 - record["local_fwd_ms"] / record["fwd_ms"]
+    assert (gather["recompute"], inputs_only["recompute"]) == ("gather", "true")
+    for kept in ("one_gpu_saved_gb", "saved_gb"):  # "gather" keeps z beside x
+        assert inputs_only[kept] < gather[kept]
 
 
 def test_ep_bench_checks_its_world_before_starting(tmp_path):

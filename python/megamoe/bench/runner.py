@@ -157,7 +157,7 @@ def _measure_backend(record: Record, shape: MoEShape, sets: list[Operands], dy: 
             # The last mode wins, so fwdbwd's figure is kept when both ran.
             record.peak_mem_gb = (result.peak_extra_bytes + operand_bytes) / 1e9
         if mode == "fwdbwd" and measures_memory:
-            record.saved_gb = _saved_for_backward_gb(fn, sets[0])
+            record.saved_gb = saved_for_backward_gb(fn, sets[0])
     if reasons:
         distinct = set(reasons.values())
         if len(distinct) == 1 and len(reasons) == len(plan.modes):
@@ -190,7 +190,7 @@ def _measure_mode(fn: backends.MoEFn, mode: str, sets: list[Operands], dy: torch
     return reason
 
 
-def _saved_for_backward_gb(fn: backends.MoEFn, operands: Operands) -> float | None:
+def saved_for_backward_gb(fn: backends.MoEFn, operands: Operands) -> float | None:
     """Bytes of the tensors one forward saves for its backward, each counted once, w13/w2 excluded."""
     weights = {operands.w13.data_ptr(), operands.w2.data_ptr()}
     saved = {}
