@@ -153,6 +153,24 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, mode):
     assert losses[mode] == pytest.approx(losses["none"], rel=1e-5)
 
 
+def test_micro_batches_accumulate_the_whole_batchs_gradients(tmp_path):
+    """[train].micro_batches = 2: two forward + backward passes over halves of the batch leave every
+    parameter the gradient of the whole batch's mean loss (up to bf16 sums), and report its loss."""
+    import torch
+
+    from megamoe.reference import relative_error
+
+    batch = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    grads, losses = {}, {}
+    for parts in (1, 2):  # without the aux loss, which is not a mean over tokens
+        trainer = Trainer(tiny(tmp_path, f"train.micro_batches={parts}", "model.router_aux_loss_coef=0.0"))
+        losses[parts] = trainer.accumulate_gradients(batch)
+        grads[parts] = {name: p.grad.float() for name, p in trainer.model.named_parameters()}
+    assert losses[2][0].item() == pytest.approx(losses[1][0].item(), rel=1e-3)
+    for name, grad in grads[1].items():
+        assert relative_error(grads[2][name], grad) < 1e-2, name
+
+
 def test_moe_checkpointing_of_fused_experts_is_their_own_recompute(tmp_path):
     import torch
 
@@ -183,6 +201,7 @@ def test_moe_checkpointing_of_fused_experts_is_their_own_recompute(tmp_path):
     ("train.steps=0", r"\[train\]\.steps = 0: must be >= 1"),
     ("train.steps=ten", r"\[train\]\.steps must be of type int"),
     ("train.lr=-1.0", r"\[train\]\.lr = -1\.0: must be > 0"),
+    ("train.micro_batches=3", r"\[train\]\.micro_batches = 3: must divide batch_size = 4"),
     ("train.activation_checkpointing=some", r"\[train\]\.activation_checkpointing"),
     ("model.preset=qwen4", r"\[model\]\.preset = 'qwen4' is unknown"),
     ("model.num_experts_per_tok=9", r"\[model\]\.num_experts_per_tok = 9: exceeds num_experts = 8"),

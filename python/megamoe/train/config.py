@@ -52,6 +52,7 @@ class TrainConfig:
     seq_len: int
     batch_size: int
     steps: int
+    micro_batches: int = 1  # the batch run as this many forward + backward passes before each optimizer step
     lr: float = 3e-4
     warmup_steps: int = 0  # linear warm-up, then cosine decay to 10% of lr at `steps`
     weight_decay: float = 0.1
@@ -242,6 +243,9 @@ def _validate(config: Config) -> None:
              f"splits the experts of backend 'fused' over the ranks; backend {moe.backend!r} runs on one GPU "
              "(set [moe].expert_parallel = 1)")
     _require(train.seq_len >= 2, "[train].seq_len", train.seq_len, "must be >= 2 (next-token prediction)")
+    _require(train.batch_size % train.micro_batches == 0, "[train].micro_batches", train.micro_batches,
+             f"must divide batch_size = {train.batch_size} (each micro-batch holds batch_size / micro_batches "
+             "sequences)")
     _require(train.activation_checkpointing in CHECKPOINTING, "[train].activation_checkpointing",
              train.activation_checkpointing, f"must be one of {', '.join(CHECKPOINTING)}")
     _require(train.activation_checkpointing != "moe-gather" or moe.backend == "fused",

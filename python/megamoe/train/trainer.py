@@ -114,13 +114,23 @@ class Trainer:
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return train.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
+    def accumulate_gradients(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the batch in [train].micro_batches equal parts, each loss divided
+        by their number, so the parameters' gradients are the whole batch's mean loss's (summed in their
+        dtype); returns that mean (loss, aux loss) as a 2-element fp32 tensor, on the device."""
+        parts = self.config.train.micro_batches
+        losses = torch.zeros(2, device=self.device)
+        for ids in input_ids.to(self.device).chunk(parts):
+            out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+            (out.loss / parts).backward()
+            losses += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()]) / parts
+        return losses
+
     def train_step(self, input_ids: torch.Tensor) -> StepResult:
         lr = self.learning_rate(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        input_ids = input_ids.to(self.device)
-        out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
-        out.loss.backward()
+        losses = self.accumulate_gradients(input_ids)
         clip = self.config.train.grad_clip or math.inf
         if self.ep is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -133,7 +143,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         coef = self.config.model.router_aux_loss_coef
-        losses = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
         if self.ep is not None:  # the global batch's
             losses = self.ep.mean(losses)
         loss, aux_loss, grad_norm = torch.cat([losses, grad_norm.float().view(1)]).tolist()  # one host sync
