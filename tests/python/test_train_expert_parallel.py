@@ -94,13 +94,17 @@ def _train_rank(rank, world, port, out_dir, overrides):
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("checkpointing", ["none", "moe-gather"])
-def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path, checkpointing):
-    steps = ("train.steps=4", "output.checkpoint_every=4", f"train.activation_checkpointing={checkpointing}")
-    mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", *steps]), nprocs=2,
-             join=True)
-    one = train(tiny(tmp_path / "one", "train.device=cuda", "moe.backend=fused", "train.batch_size=4", *steps),
-                progress=False)
+@pytest.mark.parametrize("setting", ["train.activation_checkpointing=none", "train.activation_checkpointing=moe-gather",
+                                     "train.micro_batches=2"], ids=["none", "moe-gather", "micro-batches"])
+def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path, setting):
+    """With micro-batches only the ranks accumulate (one sequence each per pass), against one pass of
+    the whole global batch in one process."""
+    steps = ("train.steps=4", "output.checkpoint_every=4")
+    mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", setting, *steps]),
+             nprocs=2, join=True)
+    one_setting = () if "micro_batches" in setting else (setting,)
+    one = train(tiny(tmp_path / "one", "train.device=cuda", "moe.backend=fused", "train.batch_size=4", *one_setting,
+                     *steps), progress=False)
     ep = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ep] == [1, 2, 3, 4] and {r["expert_parallel"] for r in ep} == {2}
     # The same global batch and the same mean loss; only the order of the gradient sums differs.
