@@ -116,19 +116,21 @@ class MoELayer(nn.Module):
             topk_ids, topk_weights = torch.cat([topk_ids, shared_ids], 1), torch.cat([topk_weights, shared_weights], 1)
         y = experts(x, topk_ids, topk_weights, self.w13, self.w2, group=self.group)
         if self.num_shared and self.group is not None:
-            y = y + experts(x, *self._shared_routes(x, topk_ids, first=0), self.shared_w13, self.shared_w2)
+            shared_ids, shared_weights = (t.contiguous() for t in self._shared_routes(x, topk_ids, first=0))
+            y = y + experts(x, shared_ids, shared_weights, self.shared_w13, self.shared_w2)
         return y.view(hidden_states.shape), routing.router_logits
 
     def _shared_routes(self, x: torch.Tensor, topk_ids: torch.Tensor, first: int):
         """Every token's routes to the S slices of the shared expert (experts first .. first + S - 1),
-        weighted by its gate (1 without shared_expert_gate), in topk_ids' dtype and fp32."""
+        weighted by its gate (1 without shared_expert_gate), in topk_ids' dtype and fp32, as expanded
+        views."""
         tokens = x.shape[0]
         ids = torch.arange(first, first + self.num_shared, device=topk_ids.device, dtype=topk_ids.dtype)
         if self.shared_expert_gate is None:
             gate = torch.ones(tokens, 1, device=x.device, dtype=torch.float32)
         else:
             gate = torch.sigmoid(self.shared_expert_gate(x).float())
-        return ids.expand(tokens, -1).contiguous(), gate.expand(-1, self.num_shared).contiguous()
+        return ids.expand(tokens, -1), gate.expand(-1, self.num_shared)
 
     @torch.no_grad()
     def load_shared_expert(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
