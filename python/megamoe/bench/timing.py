@@ -109,9 +109,6 @@ class Device:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    def free_bytes(self) -> int | None:
-        return torch.cuda.mem_get_info(self.device)[0] if self.is_cuda else None
-
     def start_peak_tracking(self) -> int | None:
         """Reset the peak counter; returns the bytes allocated now (the baseline)."""
         if not self.is_cuda:
