@@ -1,7 +1,7 @@
-"""The repository's code speaks of what a reader can open and run: the files its docstrings,
-comments and help texts cite are in the repository (by path from the root, from the citing file's
-folder, or from python/), it names no section numbers of documents, and nothing ties it to how the
-project was developed or to one remote setup."""
+"""The repository speaks of what a reader can open and run: the files its docstrings, comments, help
+texts, README and docs cite are in the repository (by path from the root, from the citing file's
+folder, or from python/), the code names no section numbers of documents, and nothing ties it to how
+the project was developed or to one remote setup."""
 
 import re
 from pathlib import Path
@@ -55,9 +55,25 @@ def test_no_section_numbers_or_development_setup(path):
     assert not found, f"{path.relative_to(ROOT)}: {found}"
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+WORKFLOW = re.compile(r"\bsessions?\b|device (?:tool|run)|H200 machine|ANCHORS|KERNEL_NOTES|(?-i:\$OUT\b)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documents_cite_files_that_exist_and_no_workflow(path):
+    """The README and docs/ speak to users: the files they name are in the repository, and they name
+    nothing of how the project is developed."""
+    text = path.read_text()
+    missing = [c for c in CITATION.findall(text) if not _exists(c, path)]
+    assert not missing, f"{path.relative_to(ROOT)} cites files the repository does not hold: {missing}"
+    assert not WORKFLOW.findall(text), f"{path.relative_to(ROOT)}: {WORKFLOW.findall(text)}"
+
+
 def test_the_patterns_find_what_they_look_for():
     """A guard against patterns that match nothing."""
     cited = {c for p in FILES for c in _cited(p)}
     assert {"docs/DESIGN.md", "exchange.py", "epilogue.cuh"} <= cited
+    assert "python/megamoe/bench/timing.py" in CITATION.findall((ROOT / "docs" / "PERFORMANCE.md").read_text())
+    assert WORKFLOW.search("in the last session") and not WORKFLOW.search("an obsession")
     assert FORBIDDEN.search("as in session 12") and FORBIDDEN.search("see DESIGN.md") \
         and not FORBIDDEN.search("see docs/DESIGN.md")
