@@ -4,7 +4,8 @@ power sampling).
 
 For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
 AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have
-kept their signatures; the timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
+kept their signatures; --recompute is passed to `megamoe.moe` only when given (a revision's own
+default otherwise), so one revision's default can be timed against another's option. The timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
 benchmarks'. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
 """
 
@@ -34,16 +35,20 @@ def main() -> None:
     parser.add_argument("--label", required=True)
     parser.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--recompute", choices=["false", "true", "gather"],
+                        help="megamoe.moe's recompute (default: the revision's own default)")
     timing.Budget.add_arguments(parser, warmup=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = timing.Device(torch.device("cuda", 0))
     budget = timing.Budget.from_arguments(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    options = {} if args.recompute is None else {"recompute": RECOMPUTE[args.recompute]}
     with open(args.out / "time_moe.jsonl", "a") as log:
         for preset in args.preset:
-            for mode, m in time_preset(timing, device, budget, PRESETS[preset], args.tokens):
+            for mode, m in time_preset(timing, device, budget, PRESETS[preset], args.tokens, options):
                 line = json.dumps({"label": args.label, "preset": preset, "tokens": args.tokens, "mode": mode,
+                                   "recompute": args.recompute or "default",
                                    "ms": round(m.median_ms, 4), "repeats": m.repeats, "sm_mhz": m.sm_clock_mhz,
                                    "power_w": m.power_w})
                 print(line, flush=True)
@@ -51,7 +56,10 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
-def time_preset(timing, device, budget, shape, tokens: int):
+RECOMPUTE = {"false": False, "true": True, "gather": "gather"}
+
+
+def time_preset(timing, device, budget, shape, tokens: int, options: dict):
     """(mode, Measurement) of the no-grad forward and of forward + backward, balanced routing."""
     x, ids, weights, w13, w2 = make_inputs(shape, tokens, device="cuda")
     params = [t.requires_grad_() for t in (x, weights, w13, w2)]
@@ -63,10 +71,10 @@ def time_preset(timing, device, budget, shape, tokens: int):
 
     def forward(_):
         with torch.no_grad():
-            megamoe.moe(params[0], ids, *params[1:])
+            megamoe.moe(params[0], ids, *params[1:], **options)
 
     def forward_backward(_):
-        megamoe.moe(params[0], ids, *params[1:]).backward(dy)
+        megamoe.moe(params[0], ids, *params[1:], **options).backward(dy)
 
     return [(mode, timing.measure(run, reset, device, budget))
             for mode, run in (("fwd", forward), ("fwdbwd", forward_backward))]
