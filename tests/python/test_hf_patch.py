@@ -210,6 +210,78 @@ def test_model_family_loss_curve_matches_unpatched(family, backend, device, dtyp
     assert got == pytest.approx(want, rel=CURVE_TOLERANCE[dtype])
 
 
+# Every other MoE family of the installed transformers: a causal LM whose modeling file declares an
+# experts class (`use_experts_implementation`), built from its default config shrunk by the common
+# size names, since the flags, not a list of classes, decide what patch_hf_model serves. A family the
+# generic sizes cannot build or run is skipped (MODELS above carries hand-made configs instead).
+GENERIC_SIZES = dict(vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     max_position_embeddings=64, pad_token_id=0, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     router_jitter_noise=0.0, input_jitter_noise=0.0, kv_lora_rank=32, q_lora_rank=64,
+                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
+GENERIC_EXPERTS = {8: ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+                   2: ("num_experts_per_tok", "moe_k", "moe_topk", "top_k")}
+
+
+def other_moe_families() -> dict[str, str]:
+    """{model type: causal-LM class name} of the installed transformers' MoE families not in MODELS
+    (text-only models: a multimodal one builds its default vision tower)."""
+    import importlib.util
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    families = {}  # one model type per class
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        module = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        if (model_type not in MODELS and class_name.endswith("ForCausalLM") and class_name not in families.values()
+                and spec is not None and spec.origin is not None):
+            with open(spec.origin) as source:
+                if "@use_experts_implementation" in source.read():
+                    families[model_type] = class_name
+    return families
+
+
+def generic_model(class_name: str):
+    """The family's model from its config's defaults, with every size name of GENERIC_SIZES and
+    GENERIC_EXPERTS that the config has given to its constructor (which derives per-layer types)."""
+    model_class = getattr(transformers, class_name)
+    defaults = model_class.config_class()
+    sizes = {name: value for name, value in GENERIC_SIZES.items() if hasattr(defaults, name)}
+    sizes |= {name: value for value, names in GENERIC_EXPERTS.items() for name in names
+              if isinstance(getattr(defaults, name, None), int)}
+    torch.manual_seed(0)
+    return model_class(model_class.config_class(**sizes))
+
+
+@pytest.mark.parametrize("model_type,class_name", other_moe_families().items())
+def test_other_moe_family_matches_unpatched(model_type, class_name):
+    try:
+        model = generic_model(class_name)
+    except Exception as error:  # noqa: BLE001 -- a config the common size names do not fit
+        pytest.skip(f"{class_name} does not build from generic sizes: {type(error).__name__}: {error}")
+    served, refused = megamoe.hf.experts_modules(model)
+    if not served:
+        pytest.skip(f"nothing to serve in two layers of {class_name}: {[reason for *_, reason in refused]}")
+    model.set_experts_implementation("eager")
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # refused modules, if any, are named in a warning
+        megamoe.patch_hf_model(patched, backend="grouped")
+    input_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    try:
+        want = family_step(model, model_type, input_ids)
+    except Exception as error:  # noqa: BLE001 -- the unpatched model itself fails at these sizes
+        pytest.skip(f"{class_name} does not run at generic sizes: {type(error).__name__}: {error}")
+    got = family_step(patched, model_type, input_ids)
+    tolerance = TOLERANCE[torch.float32]
+    assert relative_error(got[1], want[1]) < tolerance
+    assert got[0].item() == pytest.approx(want[0].item(), rel=tolerance)
+    for name, grad in want[3].items():
+        assert relative_error(got[3][name], grad) < tolerance, name
+
+
 def test_activations_map_from_hidden_act(monkeypatch):
     for hidden_act, activation in [("silu", "swiglu"), ("swish", "swiglu"), ("gelu_pytorch_tanh", "geglu"),
                                    ("gelu_new", "geglu")]:
