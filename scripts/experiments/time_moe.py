@@ -4,8 +4,8 @@ power sampling).
 
 For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
 AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have
-kept their signatures; --recompute is passed to `megamoe.moe` only when given (a revision's own
-default otherwise), so one revision's default can be timed against another's option. The timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
+kept their signatures; --recompute and --activation are passed to `megamoe.moe` only when given (a
+revision's own default otherwise), so one revision's default can be timed against another's option. The timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
 benchmarks'. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
 """
 
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--recompute", choices=["false", "true", "gather"],
                         help="megamoe.moe's recompute (default: the revision's own default)")
+    parser.add_argument("--activation", help="megamoe.moe's activation (default: the revision's own default)")
     timing.Budget.add_arguments(parser, warmup=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -44,11 +45,13 @@ def main() -> None:
     budget = timing.Budget.from_arguments(args)
     args.out.mkdir(parents=True, exist_ok=True)
     options = {} if args.recompute is None else {"recompute": RECOMPUTE[args.recompute]}
+    options |= {} if args.activation is None else {"activation": args.activation}
     with open(args.out / "time_moe.jsonl", "a") as log:
         for preset in args.preset:
             for mode, m in time_preset(timing, device, budget, PRESETS[preset], args.tokens, options):
                 line = json.dumps({"label": args.label, "preset": preset, "tokens": args.tokens, "mode": mode,
                                    "recompute": args.recompute or "default",
+                                   "activation": args.activation or "default",
                                    "ms": round(m.median_ms, 4), "repeats": m.repeats, "sm_mhz": m.sm_clock_mhz,
                                    "power_w": m.power_w})
                 print(line, flush=True)
