@@ -5,8 +5,9 @@ power sampling).
 For A/B of revisions whose own `megamoe.bench` predates sustained timing (ab_libraries.sh with
 AB_MODULE=time_moe): only `megamoe.moe` and `megamoe.shapes` of the revision are used, and they have
 kept their signatures; --recompute and --activation are passed to `megamoe.moe` only when given (a
-revision's own default otherwise), so one revision's default can be timed against another's option. The timing options (--warmup, --warmup-seconds, --repeat, --budget) are the
-benchmarks'. Prints one JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
+revision's own default otherwise), so one revision's default can be timed against another's option.
+The timing options (--warmup, --warmup-seconds, --repeat, --budget) are the benchmarks'. Prints one
+JSON line per (preset, mode) and writes them to --out/time_moe.jsonl.
 """
 
 import argparse
@@ -19,6 +20,11 @@ import torch
 
 import megamoe
 from megamoe.shapes import PRESETS, make_inputs
+
+
+# --recompute's words, megamoe.bench.ep's: not imported from there, since only megamoe.moe and
+# megamoe.shapes of the timed revision may be used.
+RECOMPUTE = {"false": False, "true": True, "gather": "gather"}
 
 
 def load_timing():
@@ -57,9 +63,6 @@ def main() -> None:
                 print(line, flush=True)
                 log.write(line + "\n")
             torch.cuda.empty_cache()
-
-
-RECOMPUTE = {"false": False, "true": True, "gather": "gather"}
 
 
 def time_preset(timing, device, budget, shape, tokens: int, options: dict):
