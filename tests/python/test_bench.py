@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from megamoe.bench import backends, main
+from megamoe.bench import backends, main, timing
 from megamoe.bench.timing import SINGLE_CALLS, Budget, Device, mean_clock_and_power, measure
 from megamoe.shapes import PRESETS
 
@@ -72,43 +72,63 @@ def test_bench_with_main_grad_gives_the_weights_fp32_buffers_and_records_it(tmp_
     assert [(g.dtype, tuple(g.shape)) for g in seen] == [(torch.float32, shape) for shape in shapes]
 
 
-def _count_calls(sleep_s):
+class FakeClock:
+    """time.perf_counter for megamoe.bench.timing on the CPU: calls advance it by what they say they
+    take, so the warm-up and repeat counts do not depend on how busy the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+STEP = 2 ** -8  # seconds per call: warm-up times below are whole numbers of it, exactly
+
+
+def _count_calls(clock, seconds=STEP):
     calls = []
 
     def run(i):
         calls.append(i)
-        time.sleep(sleep_s)
+        clock.now += seconds(i) if callable(seconds) else seconds
     return calls, run
 
 
-def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock():
-    calls, run = _count_calls(0.005)
+def test_warm_up_lasts_warmup_seconds_so_the_timed_runs_see_the_sustained_clock(clock):
+    calls, run = _count_calls(clock)
     result = measure(run, lambda: None, Device(torch.device("cpu")),
-                     Budget(warmup=2, repeat=4, seconds=1.0, warmup_seconds=0.2))
+                     Budget(warmup=2, repeat=4, seconds=1.0, warmup_seconds=0.25))
     assert result.repeats == 4
     warm_ups = len(calls) - 2 * 4  # the timed calls, then as many timed one at a time
-    assert 0.2 / 0.005 * 0.5 <= warm_ups <= 0.2 / 0.005 + 2  # by time, not by --warmup's 2
+    assert warm_ups == 1 + 0.25 / STEP  # by time (after the first call), not by --warmup's 2
 
 
-def test_a_devices_first_sustained_warm_up_lasts_until_the_power_settles():
+def test_a_devices_first_sustained_warm_up_lasts_until_the_power_settles(clock):
     device = Device(torch.device("cpu"))
-    device.settle_seconds = 0.3  # a GPU's FIRST_LOAD_WARMUP_S, shortened
-    budget = Budget(warmup=2, repeat=1, seconds=1.0, warmup_seconds=0.1)
+    device.settle_seconds = 0.5  # a GPU's FIRST_LOAD_WARMUP_S, shortened
+    budget = Budget(warmup=2, repeat=1, seconds=1.0, warmup_seconds=0.125)
     warm_ups = []
     for _ in range(2):
-        calls, run = _count_calls(0.005)
+        calls, run = _count_calls(clock)
         measure(run, lambda: None, device, budget)
         warm_ups.append(len(calls) - 2)
-    assert warm_ups[0] >= 0.3 / 0.005 * 0.5 and warm_ups[1] <= 0.1 / 0.005 + 2
-    assert warm_ups[0] > 2 * warm_ups[1]
+    assert warm_ups == [1 + 0.5 / STEP, 1 + 0.125 / STEP]
 
 
-def test_calls_are_also_timed_one_at_a_time_after_the_timed_run():
-    calls, run = _count_calls(0.005)
+def test_calls_are_also_timed_one_at_a_time_after_the_timed_run(clock):
+    calls, run = _count_calls(clock)
     result = measure(run, lambda: None, Device(torch.device("cpu")),
                      Budget(warmup=1, repeat=50, seconds=0.5, warmup_seconds=0.0))
     assert len(calls) == 1 + result.repeats + SINGLE_CALLS
-    assert 5.0 <= result.single_call_ms < 50.0
+    assert result.single_call_ms == STEP * 1e3
 
 
 def test_clock_samples_are_averaged_and_what_is_not_a_number_is_left_out():
@@ -116,21 +136,18 @@ def test_clock_samples_are_averaged_and_what_is_not_a_number_is_left_out():
     assert mean_clock_and_power("") == (None, None)
 
 
-def test_the_first_warm_up_which_may_compile_does_not_count_as_warming_the_gpu():
-    calls = []
-
-    def run(i):
-        calls.append(i)
-        time.sleep(0.3 if i == 0 else 0.005)  # a first call that compiles, with the GPU idle
+def test_the_first_warm_up_which_may_compile_does_not_count_as_warming_the_gpu(clock):
+    # a first call that compiles, with the GPU idle
+    calls, run = _count_calls(clock, lambda i: 0.5 if i == 0 else STEP)
     measure(run, lambda: None, Device(torch.device("cpu")), Budget(warmup=2, repeat=1, seconds=1.0,
-                                                                   warmup_seconds=0.1))
-    assert len(calls) - 2 >= 1 + 0.1 / 0.005 * 0.5
+                                                                   warmup_seconds=0.125))
+    assert len(calls) - 2 == 1 + 0.125 / STEP
 
 
-def test_a_slow_backend_stops_warming_up_after_two_runs():
-    calls, run = _count_calls(0.15)
+def test_a_slow_backend_stops_warming_up_after_two_runs(clock):
+    calls, run = _count_calls(clock, 0.25)
     result = measure(run, lambda: None, Device(torch.device("cpu")),
-                     Budget(warmup=5, repeat=100, seconds=0.1, warmup_seconds=0.2))
+                     Budget(warmup=5, repeat=100, seconds=0.5, warmup_seconds=0.25))
     assert len(calls) - 2 * result.repeats == 2 and result.repeats == 3  # MIN_REPEATS, each also alone
 
 
