@@ -10,8 +10,8 @@ Experts modules are found by the decorator's flags, not by class name: every mod
 `is_concatenated`, `is_transposed` and `has_bias` is a candidate (Qwen2/3-MoE, Mixtral, OLMoE,
 DeepSeek-V2/V3, GLM-4-MoE, ... in transformers 5), and megamoe serves those in its own layout
 (docs/DESIGN.md): gate_up_proj [E, 2I, H] with gate rows then up rows, down_proj [E, H, I], no biases,
-transformers' default gate act(gate) * up with an activation megamoe computes. The others keep their
-own implementation and are named in one warning.
+transformers' default gate act(gate) * up (or a gate of its own that computes the same, as probed) with
+an activation megamoe computes. The others keep their own implementation and are named in one warning.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import inspect
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .activation import gated
 from .functional import moe
 from .validation import FLOAT_DTYPES, check_options, group_rank_and_size
 
@@ -32,6 +34,8 @@ _UNSUPPORTED_FLAGS = {"has_post_expert_norm": "a norm after each expert", "_is_e
                       "expert parallelism (ids of other ranks' experts)"}
 # transformers' activation names (ACT2CLS) -> megamoe's gated activation (megamoe.activation.ACTIVATIONS).
 HF_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+# An experts module's act_fn may be torch's function itself rather than ACT2FN's module (LFM2-MoE).
+_FUNCTIONAL_ACTIVATIONS = {F.silu: "swiglu"}
 _STATE = "_megamoe_activation"  # on a served experts module: the activation megamoe computes it with
 _FALLBACK = "_megamoe_fallback"  # on every candidate: the experts implementation it had before megamoe
 _SHARD = "_megamoe_shard"  # on a served experts module that holds one rank's experts: (rank, world)
@@ -72,7 +76,7 @@ def _unsupported(experts: nn.Module) -> str | None:
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(experts, flag, False):
             return f"{flag}=True: {what}"
-    if getattr(type(experts), "_apply_gate", None) is not _require_transformers()._default_apply_gate:
+    if not _default_gate(experts) and _activation(experts) is None:
         return f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
@@ -90,15 +94,41 @@ def _unsupported(experts: nn.Module) -> str | None:
     return None
 
 
+def _default_gate(experts: nn.Module) -> bool:
+    """Whether `experts` computes transformers' default gate, act_fn(gate) * up."""
+    return getattr(type(experts), "_apply_gate", None) is _require_transformers()._default_apply_gate
+
+
 def _activation(experts: nn.Module) -> str | None:
-    """megamoe's name for the activation of `experts.act_fn`, matched by class against ACT2FN's."""
+    """megamoe's name for what `experts` computes: for the default gate, the activation of its
+    `act_fn` (an ACT2FN module matched by class, or torch's function itself); for a gate of its own,
+    the same if the gate computes act_fn(gate) * up (_gate_computes)."""
     from transformers.activations import ACT2FN
 
     act_fn = getattr(experts, "act_fn", None)
-    for name, activation in HF_ACTIVATIONS.items():
+    activation = _FUNCTIONAL_ACTIVATIONS.get(act_fn) if inspect.isfunction(act_fn) else None
+    for name, candidate in HF_ACTIVATIONS.items():
         if type(act_fn) is type(ACT2FN[name]):
-            return activation
-    return None
+            activation = candidate
+    if activation is None or _default_gate(experts):
+        return activation
+    return activation if _gate_computes(experts, activation) else None
+
+
+def _gate_computes(experts: nn.Module, activation: str) -> bool:
+    """Whether the experts' own `_apply_gate` computes gated(·, activation) (a gate that only changes
+    the precision it computes in, say): checked in fp64 on values from 1e-3 to 1e4 of either sign, so
+    that a clamp or softcap anywhere in that range shows, within fp32's precision."""
+    magnitudes = torch.logspace(-3, 4, 48, dtype=torch.float64)
+    values = torch.cat([-magnitudes.flip(0), torch.zeros(1, dtype=torch.float64), magnitudes])
+    probe = torch.stack([torch.cat([values, values.flip(0)]), torch.cat([values.flip(0), values])])  # gate | up
+    try:
+        with torch.no_grad():
+            computed = experts._apply_gate(probe)
+    except (RuntimeError, TypeError, ValueError):  # e.g. a gate that needs more than gate_up
+        return False
+    return (isinstance(computed, torch.Tensor) and computed.shape == (2, values.numel())
+            and torch.allclose(computed.double(), gated(probe, activation), rtol=1e-6, atol=1e-12))
 
 
 def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:

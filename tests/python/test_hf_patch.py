@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import megamoe
@@ -212,15 +213,20 @@ def test_model_family_loss_curve_matches_unpatched(family, backend, device, dtyp
 
 # Every other MoE family of the installed transformers: a causal LM whose modeling file declares an
 # experts class (`use_experts_implementation`), built from its default config shrunk by the common
-# size names, since the flags, not a list of classes, decide what patch_hf_model serves. A family the
+# size names, since the flags, not a list of classes, decide what patch_hf_model serves. Two layers:
+# the first dense where a family starts with dense layers, the second a MoE layer. A family the
 # generic sizes cannot build or run is skipped (MODELS above carries hand-made configs instead).
 GENERIC_SIZES = dict(vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                     max_position_embeddings=64, pad_token_id=0, first_k_dense_replace=1, n_group=1, topk_group=1,
-                     router_jitter_noise=0.0, input_jitter_noise=0.0, kv_lora_rank=32, q_lora_rank=64,
-                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
+                     max_position_embeddings=64, pad_token_id=0, first_k_dense_replace=1, num_dense_layers=1,
+                     mlp_only_layers=[0], enable_moe_block=True, n_group=1, topk_group=1, router_jitter_noise=0.0,
+                     input_jitter_noise=0.0, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                     v_head_dim=32)
+# Expert counts, set where the config's default is a count or None (no experts unless given).
 GENERIC_EXPERTS = {8: ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-                   2: ("num_experts_per_tok", "moe_k", "moe_topk", "top_k")}
+                   2: ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "top_k_experts")}
+# Per-layer types that a family's config does not derive for two layers (its default is None).
+LAYER_TYPES = {"lfm2_moe": ["conv", "full_attention"]}
 
 
 def other_moe_families() -> dict[str, str]:
@@ -243,15 +249,26 @@ def other_moe_families() -> dict[str, str]:
     return families
 
 
-def generic_model(class_name: str, **overrides):
+def generic_model(model_type: str, class_name: str, **overrides):
     """The family's model from its config's defaults, with every size name of GENERIC_SIZES and
-    GENERIC_EXPERTS (then `overrides`) that the config has given to its constructor (which derives
-    per-layer types)."""
+    GENERIC_EXPERTS (then LAYER_TYPES' and `overrides`) that the config has given to its constructor
+    (which derives per-layer types, and per-layer sizes in a config that varies them by layer). The
+    config's names are its fields and what its defaults derive: reading a per-layer size from a whole
+    config raises. A list of MLP types per layer becomes its first and last entries (dense, then MoE)."""
+    import dataclasses
+
     model_class = getattr(transformers, class_name)
-    defaults = model_class.config_class()
-    sizes = {name: value for name, value in GENERIC_SIZES.items() if hasattr(defaults, name)}
-    sizes |= {name: value for value, names in GENERIC_EXPERTS.items() for name in names
-              if isinstance(getattr(defaults, name, None), int)}
+    fields = {field.name: field.default for field in dataclasses.fields(model_class.config_class)}
+    defaults = vars(model_class.config_class())
+    sizes = {name: value for name, value in GENERIC_SIZES.items() if name in fields.keys() | defaults.keys()}
+    if isinstance(defaults.get("mlp_layer_types"), list):
+        sizes["mlp_layer_types"] = [defaults["mlp_layer_types"][0], defaults["mlp_layer_types"][-1]]
+    sizes |= {name: value for value, candidates in GENERIC_EXPERTS.items() for name in candidates
+              if name in fields and (fields[name] is None or type(fields[name]) is int)}
+    if "qk_rope_head_dim" in sizes:  # multi-head latent attention: its rotary part is the head_dim
+        sizes["head_dim"] = sizes["qk_rope_head_dim"]
+    if model_type in LAYER_TYPES:
+        sizes["layer_types"] = LAYER_TYPES[model_type]
     torch.manual_seed(0)
     return model_class(model_class.config_class(**(sizes | overrides)))
 
@@ -259,12 +276,14 @@ def generic_model(class_name: str, **overrides):
 @pytest.mark.parametrize("model_type,class_name", other_moe_families().items())
 def test_other_moe_family_matches_unpatched(model_type, class_name):
     input_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    # Grouped-query attention, or as many key-value heads as heads (multi-head latent attention).
-    for overrides in ({}, {"num_key_value_heads": GENERIC_SIZES["num_attention_heads"]}):
+    # Grouped-query attention, or as many key-value heads as heads (multi-head latent attention), or
+    # one expert per token (a family that routes to one).
+    for overrides in ({}, {"num_key_value_heads": GENERIC_SIZES["num_attention_heads"]}, {"num_experts_per_tok": 1}):
         try:
-            model = generic_model(class_name, **overrides)
+            model = generic_model(model_type, class_name, **overrides)
         except Exception as error:  # noqa: BLE001 -- a config the common size names do not fit
-            pytest.skip(f"{class_name} does not build from generic sizes: {type(error).__name__}: {error}")
+            failure = f"does not build from generic sizes: {type(error).__name__}: {error}"
+            continue
         served, refused = megamoe.hf.experts_modules(model)
         if not served:
             pytest.skip(f"nothing to serve in two layers of {class_name}: {[reason for *_, reason in refused]}")
@@ -274,9 +293,9 @@ def test_other_moe_family_matches_unpatched(model_type, class_name):
             want = family_step(model, model_type, input_ids)
             break
         except Exception as error:  # noqa: BLE001 -- the unpatched model itself fails at these sizes
-            failure = f"{type(error).__name__}: {error}"
+            failure = f"does not run at generic sizes: {type(error).__name__}: {error}"
     else:
-        pytest.skip(f"{class_name} does not run at generic sizes: {failure}")
+        pytest.skip(f"{class_name} {failure}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # refused modules, if any, are named in a warning
         megamoe.patch_hf_model(patched, backend="grouped")
@@ -384,6 +403,39 @@ def test_experts_found_by_the_decorator_flags_not_the_class():
         "biased": "has_bias=True (megamoe needs has_bias=False)",
         "ungated": "has_gate=False (megamoe needs has_gate=True)",
         "skewed": "gate_up_proj (4, 32, 8) and down_proj (4, 8, 32) are not [E, 2I, H] and [E, H, I]"}
+
+
+def test_a_gate_of_its_own_is_served_where_it_computes_act_gate_times_up():
+    """An experts module's own _apply_gate is served where it computes act_fn(gate) * up (here in fp32,
+    as BEAM's does) and refused where it clamps or caps, however far out; an act_fn that is torch's
+    function itself (LFM2-MoE's F.silu) maps as ACT2FN's module does."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(nn.Module):
+        def __init__(self, config, act_fn=None):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 2 * 16, 8))
+            self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))
+            self.act_fn = act_fn or nn.SiLU()
+
+    def gate_of_its_own(name, gate):
+        def apply_gate(self, gate_up):
+            g, u = gate_up.chunk(2, dim=-1)
+            return gate(self, g, u)
+        return use_experts_implementation(type(name, (Experts,), {"_apply_gate": apply_gate}))(config)
+
+    config = transformers.PretrainedConfig()
+    model = nn.ModuleDict(dict(
+        upcast=gate_of_its_own("Upcast", lambda self, g, u: (self.act_fn(g.float()) * u.float()).to(g.dtype)),
+        functional=use_experts_implementation(Experts)(config, F.silu),
+        clamped=gate_of_its_own("Clamped", lambda self, g, u: self.act_fn(g.clamp(max=1000.0)) * u),
+        capped=gate_of_its_own("Capped", lambda self, g, u: self.act_fn(g) * 5000.0 * torch.tanh(u / 5000.0)),
+        other=gate_of_its_own("Other", lambda self, g, u: self.act_fn(u) * g)))
+    served, refused = megamoe.hf.experts_modules(model)
+    assert [(name, activation) for name, _, activation in served] == [("upcast", "swiglu"), ("functional", "swiglu")]
+    assert {name: reason for name, _, reason in refused} == {
+        name: f"a gate of its own ({cls}._apply_gate), not act(gate) * up"
+        for name, cls in (("clamped", "Clamped"), ("capped", "Capped"), ("other", "Other"))}
 
 
 def test_patch_runs_the_megamoe_backend(monkeypatch):
