@@ -76,7 +76,8 @@ def _unsupported(experts: nn.Module) -> str | None:
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(experts, flag, False):
             return f"{flag}=True: {what}"
-    if not _default_gate(experts) and _activation(experts) is None:
+    activation = _activation(experts)  # a gate of its own is probed: once
+    if activation is None and not _default_gate(experts):
         return f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
@@ -87,7 +88,7 @@ def _unsupported(experts: nn.Module) -> str | None:
     if tuple(gate_up.shape) != (num_experts, 2 * intermediate, hidden):
         return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                 "[E, 2I, H] and [E, H, I]")
-    if _activation(experts) is None:
+    if activation is None:
         config_act = getattr(getattr(experts, "config", None), "hidden_act", None)
         return (f"activation {type(getattr(experts, 'act_fn', None)).__name__} (hidden_act={config_act!r}); megamoe "
                 f"computes {', '.join(f'{k}->{v}' for k, v in HF_ACTIVATIONS.items())}")
