@@ -22,9 +22,11 @@ constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;  // 64 = wgmma M
 constexpr int kThreads = 128 * (1 + kMathWarpgroups);      // producer warpgroup + math warpgroups
 constexpr int kMathWarps = kMathWarpgroups * 4;
 
-// Registers per thread after setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536 per SM.
+// Registers per thread after setmaxnreg: the math warpgroups can only take what the producer gives
+// back of the CTA's 384 x 168 (__launch_bounds__(kThreads, 1)): 128 * 40 + 256 * 232 = 64512.
 constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
+static_assert(128 * kProducerRegisters + 256 * kMathRegisters <= kThreads * 168, "setmaxnreg.inc would wait forever");
 
 // Epilogue: each math warpgroup stores its 64 rows in 64-column chunks (128-byte rows, so the
 // chunk can use the 128B swizzle: conflict-free stmatrix, and TMA undoes the swizzle on the way
