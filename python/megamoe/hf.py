@@ -60,39 +60,41 @@ def experts_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str]],
     for name, module in model.named_modules():
         if not all(hasattr(module, flag) for flag in _EXPECTED_FLAGS):
             continue
-        reason = _unsupported(module)
+        activation, reason = _served(module)
         if reason is None:
-            served.append((name, module, _activation(module)))
+            served.append((name, module, activation))
         else:
             refused.append((name or type(module).__name__, module, reason))
     return served, refused
 
 
-def _unsupported(experts: nn.Module) -> str | None:
-    """Why megamoe cannot compute `experts` (None when it can)."""
+def _served(experts: nn.Module) -> tuple[str | None, str | None]:
+    """(activation, None) when megamoe computes `experts` (megamoe's activation name), (None, why) when not."""
     for flag, expected in _EXPECTED_FLAGS.items():
         if getattr(experts, flag) != expected:
-            return f"{flag}={getattr(experts, flag)} (megamoe needs {flag}={expected})"
+            return None, f"{flag}={getattr(experts, flag)} (megamoe needs {flag}={expected})"
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(experts, flag, False):
-            return f"{flag}=True: {what}"
-    activation = _activation(experts)  # a gate of its own is probed: once
+            return None, f"{flag}=True: {what}"
+    activation = _activation(experts)  # a gate of its own is probed: once per module
     if activation is None and not _default_gate(experts):
-        return f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
+        return None, f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
-        return "no 3-D gate_up_proj and down_proj"
+        return None, "no 3-D gate_up_proj and down_proj"
     if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
-        return f"{gate_up.dtype} / {down.dtype} weights (e.g. a quantized checkpoint's); megamoe takes one float dtype"
+        return None, (f"{gate_up.dtype} / {down.dtype} weights (e.g. a quantized checkpoint's); megamoe takes one "
+                      "float dtype")
     num_experts, hidden, intermediate = down.shape
     if tuple(gate_up.shape) != (num_experts, 2 * intermediate, hidden):
-        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
-                "[E, 2I, H] and [E, H, I]")
+        return None, (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                      "[E, 2I, H] and [E, H, I]")
     if activation is None:
         config_act = getattr(getattr(experts, "config", None), "hidden_act", None)
-        return (f"activation {type(getattr(experts, 'act_fn', None)).__name__} (hidden_act={config_act!r}); megamoe "
-                f"computes {', '.join(f'{k}->{v}' for k, v in HF_ACTIVATIONS.items())}")
-    return None
+        act_fn = type(getattr(experts, "act_fn", None)).__name__
+        return None, (f"activation {act_fn} (hidden_act={config_act!r}); megamoe computes "
+                      f"{', '.join(f'{k}->{v}' for k, v in HF_ACTIVATIONS.items())}")
+    return activation, None
 
 
 def _default_gate(experts: nn.Module) -> bool:
@@ -144,7 +146,7 @@ def qwen3_moe_experts(model: nn.Module) -> list[nn.Module]:
     if not found:
         raise TypeError(f"{type(model).__name__} has no Qwen3MoeExperts module (transformers' Qwen3-MoE experts)")
     for name, experts in found:
-        reason = _unsupported(experts)
+        _, reason = _served(experts)
         if reason is not None:
             raise ValueError(f"{name}: {reason}; this Qwen3-MoE's experts are not in the layout megamoe computes")
     return [experts for _, experts in found]
