@@ -27,7 +27,7 @@ SRC_BF16, SRC_E4M3 = 0, 1  # MEGAMOE_SRC_*: a transposed FP8 operand's source, b
 
 _LIBRARY_NAME = "libmegamoe.so"
 
-_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def _candidates() -> list[Path]:
@@ -74,7 +74,7 @@ TransposeFp8Args = _struct("megamoe_transpose_fp8_args", ("in", _ptr), ("out", _
                            ("rows", _i32), ("cols", _i32))
 GatedGemmFp8Args = _struct("megamoe_gated_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("w13", _ptr),
                            ("w13_scales", _ptr), ("h", _ptr), ("h_scales", _ptr), ("z", _ptr),
-                           ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+                           ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
 ScatterGemmFp8Args = _struct("megamoe_scatter_gemm_fp8_args", ("a", _ptr), ("a_scales", _ptr), ("b", _ptr),
                              ("b_scales", _ptr), ("out_rows", _ptr), ("row_of_slot", _ptr), ("num_out_rows", _i64),
                              ("n", _i32), ("k", _i32))
@@ -82,15 +82,15 @@ GatedBackwardFp8Args = _struct("megamoe_gated_backward_fp8_args", ("dy_pool", _p
                                ("w2t", _ptr), ("w2t_scales", _ptr), ("z", _ptr), ("p_pool", _ptr), ("dz", _ptr),
                                ("hp", _ptr), ("dp_partial", _ptr), ("dz_q", _ptr), ("dz_scales", _ptr), ("dz_t", _ptr),
                                ("dz_t_scales", _ptr), ("hp_t", _ptr), ("hp_t_scales", _ptr), ("intermediate", _i32),
-                               ("hidden", _i32), ("activation", _i32))
+                               ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
 GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
-                        ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+                        ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
 ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),
                           ("row_of_slot", _ptr), ("num_out_rows", _i64), ("n", _i32), ("k", _i32),
                           ("b_layout", _i32))
 GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("w2", _ptr), ("z", _ptr),
                             ("p_pool", _ptr), ("dz", _ptr), ("hp", _ptr), ("dp_partial", _ptr),
-                            ("intermediate", _i32), ("hidden", _i32), ("activation", _i32))
+                            ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
 DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))
 WeightGradFp8Args = _struct("megamoe_weight_grad_fp8_args", ("a_t", _ptr), ("a_scales", _ptr), ("b_t", _ptr),
                             ("b_scales", _ptr), ("out", _ptr), ("m", _i32), ("n", _i32), ("output", _i32))

@@ -1,12 +1,20 @@
 """The experts' gated activations: z = x·w13ᵀ = [..., 2I], gate columns then up columns, becomes
 h = act(gate) · up (docs/DESIGN.md). The fp64 reference and the `grouped` and `naive` backends compute
-h with `gated`; the fused kernels take the activation's name (gemm.gated_gemm / gated_backward).
+h with `gated`; the fused kernels take the activation's C API id and limit (gemm.gated_gemm /
+gated_backward).
+
+An activation is named by a string: one of ACTIVATIONS, or SwiGLU clamped at a limit L,
+"swiglu(limit=L)" (swiglu_with_limit): h = silu(min(gate, L)) · clamp(up, -L, L), with no gradient at
+or past a bound, as DeepSeek-V4's experts compute with their swiglu_limit.
 
 Adding an activation, on the Python side, is adding its gate function to _GATES: ACTIVATIONS, the
 checks of every entry point and the tests parametrized over ACTIVATIONS follow from it.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -19,21 +27,61 @@ _GATES = {
 
 ACTIVATIONS = tuple(_GATES)
 
+_LIMITED = re.compile(r"swiglu\(limit=([^()]+)\)")
+_LIMITED_ID = len(_GATES)  # MEGAMOE_ACTIVATION_SWIGLU_LIMIT
+
+
+def _fp32_limit(limit) -> float:
+    """limit rounded to fp32, as the kernels hold it; a ValueError unless it is positive and finite."""
+    try:
+        value = float(torch.tensor(float(limit), dtype=torch.float32))
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"the SwiGLU limit must be a positive finite number (held in fp32), got {limit!r}")
+    return value
+
+
+def swiglu_with_limit(limit: float) -> str:
+    """The name of SwiGLU clamped at `limit` (rounded to fp32): "swiglu(limit=L)"."""
+    return f"swiglu(limit={_fp32_limit(limit)!r})"
+
 
 def check_activation(activation) -> str:
-    """activation, if it names one of ACTIVATIONS; a ValueError naming them otherwise."""
-    if not isinstance(activation, str) or activation not in _GATES:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return activation
+    """activation, if it names an activation; a ValueError naming them otherwise."""
+    if isinstance(activation, str):
+        if activation in _GATES:
+            return activation
+        limited = _LIMITED.fullmatch(activation)
+        if limited is not None:
+            _fp32_limit(limited.group(1))
+            return activation
+    raise ValueError(f"activation must be one of {ACTIVATIONS} or 'swiglu(limit=L)' (L > 0), got {activation!r}")
+
+
+def activation_limit(activation: str) -> float:
+    """The L of "swiglu(limit=L)" in fp32 (the C API's activation_limit); 0 for the other activations."""
+    limited = _LIMITED.fullmatch(check_activation(activation))
+    return 0.0 if limited is None else _fp32_limit(limited.group(1))
 
 
 def activation_id(activation: str) -> int:
     """The C API's MEGAMOE_ACTIVATION_* value of an activation's name."""
-    return ACTIVATIONS.index(check_activation(activation))
+    if check_activation(activation) in _GATES:
+        return ACTIVATIONS.index(activation)
+    return _LIMITED_ID
+
+
+def native_activation(activation: str) -> tuple[int, float]:
+    """(activation, activation_limit) as the C API's gated GEMMs take them."""
+    return activation_id(activation), activation_limit(activation)
 
 
 def gated(z: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """h [..., I] = act(z[..., :I]) · z[..., I:] for z [..., 2I] (gate | up), in z's dtype."""
-    gate = _GATES[check_activation(activation)]
+    limit = activation_limit(activation)
     intermediate = z.shape[-1] // 2
-    return gate(z[..., :intermediate]) * z[..., intermediate:]
+    gate, up = z[..., :intermediate], z[..., intermediate:]
+    if limit:
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return _GATES[activation](gate) * up

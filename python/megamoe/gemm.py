@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import _native
-from .activation import activation_id
+from .activation import native_activation
 from .routing import RoutingPlan
 
 FP8Pair = tuple[torch.Tensor, torch.Tensor]  # e4m3 values and their fp32 scales
@@ -81,12 +81,12 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
                z: torch.Tensor | None = None) -> torch.Tensor:
     """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
     with z (empty_z), the gate | up pre-activations are written there too (the backward's z)."""
-    act = activation_id(activation)
+    act = native_activation(activation)
     num_local, two_i, hidden = w13.shape
     h = a.new_empty(a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
                  _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), _native.address(z),
-                                       two_i // 2, hidden, act), _native.stream(a.device))
+                                       two_i // 2, hidden, *act), _native.stream(a.device))
     return h
 
 
@@ -96,13 +96,13 @@ def gated_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w13: torch.Tensor, w
     """Block-FP8 gated_gemm: (h e4m3 [rows, I], h_scales [I / 128, rows]) from e4m3 a [rows, H] with
     a_scales [H / 128, rows] and e4m3 w13 [E_local, 2I, H] with w13_scales [E_local, 2I / 128, H / 128];
     h = act(gate) · up quantised per row and 128 columns; z as in gated_gemm."""
-    act = activation_id(activation)
+    act = native_activation(activation)
     num_local, two_i, hidden = w13.shape
     h = torch.empty(a.shape[0], two_i // 2, dtype=torch.float8_e4m3fn, device=a.device)
     h_scales = torch.empty(two_i // 2 // 128, a.shape[0], dtype=torch.float32, device=a.device)
     args = _native.GatedGemmFp8Args(a.data_ptr(), a_scales.data_ptr(), w13.data_ptr(), w13_scales.data_ptr(),
                                     h.data_ptr(), h_scales.data_ptr(), _native.address(z),
-                                    two_i // 2, hidden, act)
+                                    two_i // 2, hidden, *act)
     _native.call("megamoe_grouped_gemm_gated_fp8", f"FP8 GEMM1 with {activation}", plan.native(), args,
                  _native.stream(a.device))
     return h, h_scales
@@ -167,11 +167,11 @@ def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_p
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
     the activation's backward at z (GEMM1's, compact), with p_pool [rows] each row's topk weight
     (hp = p · h, dp = ⟨h, dh⟩)."""
-    act = activation_id(activation)
+    act = native_activation(activation)
     num_local, hidden, inter = w2.shape
     dz, hp, dp_partial = _backward_outputs(plan, z, inter)
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
-                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, act)
+                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, *act)
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return dz, hp, dp_partial
@@ -183,7 +183,7 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
     """gated_backward with dh in block FP8: dy_pool [rows, H] e4m3 with dy_scales [H / 128, rows], w2t
     [E_local, I, H] e4m3 (w2 transposed) with w2t_scales [E_local, I / 128, H / 128]; dz in e4m3 for dx
     and transposed for dW13, hp transposed for dW2 (Fp8DhOutputs); with bf16 the bf16 dz and hp too."""
-    act = activation_id(activation)
+    act = native_activation(activation)
     num_local, inter, hidden = w2t.shape
     rows = plan.pool_rows
     dz, hp, dp_partial = _backward_outputs(plan, z, inter, bf16)
@@ -201,7 +201,7 @@ def gated_backward_fp8(dy_pool: torch.Tensor, dy_scales: torch.Tensor, w2t: torc
     args = _native.GatedBackwardFp8Args(dy_pool.data_ptr(), dy_scales.data_ptr(), w2t.data_ptr(),
                                         w2t_scales.data_ptr(), z.data_ptr(), p_pool.data_ptr(), _native.address(dz),
                                         _native.address(hp), dp_partial.data_ptr(),
-                                        *(t.data_ptr() for t in (*dz_rows, *dz_t, *hp_t)), inter, hidden, act)
+                                        *(t.data_ptr() for t in (*dz_rows, *dz_t, *hp_t)), inter, hidden, *act)
     _native.call("megamoe_grouped_gemm_gated_backward_fp8", f"FP8 dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return Fp8DhOutputs(dz_rows, dz_t, hp_t, dp_partial, dz, hp)

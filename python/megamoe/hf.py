@@ -10,8 +10,9 @@ Experts modules are found by the decorator's flags, not by class name: every mod
 `is_concatenated`, `is_transposed` and `has_bias` is a candidate (Qwen2/3-MoE, Mixtral, OLMoE,
 DeepSeek-V2/V3, GLM-4-MoE, ... in transformers 5), and megamoe serves those in its own layout
 (docs/DESIGN.md): gate_up_proj [E, 2I, H] with gate rows then up rows, down_proj [E, H, I], no biases,
-transformers' default gate act(gate) * up (or a gate of its own that computes the same, as probed) with
-an activation megamoe computes. The others keep their own implementation and are named in one warning.
+transformers' default gate act(gate) * up (or a gate of its own that computes the same, or SwiGLU clamped
+at the module's limit as DeepSeek-V4 and HY-V4 do, as probed) with an activation megamoe computes. The
+others keep their own implementation and are named in one warning.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import gated
+from .activation import ACTIVATIONS, gated, swiglu_with_limit
 from .functional import moe
 from .validation import FLOAT_DTYPES, check_options, group_rank_and_size
 
@@ -78,7 +79,8 @@ def _served(experts: nn.Module) -> tuple[str | None, str | None]:
             return None, f"{flag}=True: {what}"
     activation = _activation(experts)  # a gate of its own is probed: once per module
     if activation is None and not _default_gate(experts):
-        return None, f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up"
+        return None, (f"a gate of its own ({type(experts).__name__}._apply_gate), not act(gate) * up nor SwiGLU "
+                      "clamped at its limit")
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
         return None, "no 3-D gate_up_proj and down_proj"
@@ -105,7 +107,9 @@ def _default_gate(experts: nn.Module) -> bool:
 def _activation(experts: nn.Module) -> str | None:
     """megamoe's name for what `experts` computes: for the default gate, the activation of its
     `act_fn` (an ACT2FN module matched by class, or torch's function itself); for a gate of its own,
-    the same if the gate computes act_fn(gate) * up (_gate_computes)."""
+    the same if the gate computes act_fn(gate) * up, or SwiGLU clamped at the module's limit if it
+    computes that (_gate_computes). A gate of its own without an act_fn (HY-V4's calls F.silu) is
+    probed with each activation megamoe computes."""
     from transformers.activations import ACT2FN
 
     act_fn = getattr(experts, "act_fn", None)
@@ -113,9 +117,27 @@ def _activation(experts: nn.Module) -> str | None:
     for name, candidate in HF_ACTIVATIONS.items():
         if type(act_fn) is type(ACT2FN[name]):
             activation = candidate
-    if activation is None or _default_gate(experts):
+    if _default_gate(experts):
         return activation
-    return activation if _gate_computes(experts, activation) else None
+    candidates = [activation] if activation is not None else list(ACTIVATIONS) if act_fn is None else []
+    for candidate in candidates:
+        limited = _swiglu_limit(experts) if candidate == "swiglu" else None
+        for computed in (candidate, limited):
+            if computed is not None and _gate_computes(experts, computed):
+                return computed
+    return None
+
+
+def _swiglu_limit(experts: nn.Module) -> str | None:
+    """SwiGLU clamped at the experts' `limit` or `swiglu_limit` (DeepSeek-V4, HY-V4), if it has a usable one."""
+    for name in ("limit", "swiglu_limit"):
+        value = getattr(experts, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return swiglu_with_limit(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _gate_computes(experts: nn.Module, activation: str) -> bool:

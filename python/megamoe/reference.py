@@ -96,7 +96,6 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
     w13b, w2b = blocks if fp8_backward else exact
     dyd = dy.double()
     dyb = _fp8_rows(dy) if fp8_backward else dyd
-    inter = w13.shape[1] // 2
     y, dx = torch.zeros_like(xf), torch.zeros_like(xf)
     dp = torch.zeros_like(p)
     dw13, dw2 = torch.zeros_like(w13f), torch.zeros_like(w2f)
@@ -110,14 +109,12 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
         y.index_add_(0, t, pe * ((_fp8_rows(h) if fp8_forward else h) @ w2f[e].T))
         if fp8_backward:
             z = _bf16(z)
-        gate = z[:, :inter].detach().requires_grad_(True)
-        act = gated(torch.cat([gate, torch.ones_like(gate)], dim=1), activation)  # act(gate)
-        (act_grad,) = torch.autograd.grad(act.sum(), gate)
-        act, up = act.detach(), z[:, inter:]
-        h = act * up
+        z = z.detach().requires_grad_(True)
+        h = gated(z, activation)
         dh = dyb[t] @ w2b[e]
+        (dz,) = torch.autograd.grad(h, z, grad_outputs=pe * dh)  # the activation's gradient at z, weighted
+        h = h.detach()
         dp[t, k] = (h * dh).sum(dim=1)
-        dz = torch.cat([pe * dh * up * act_grad, pe * dh * act], dim=1)
         dz_rows = _fp8_rows(_bf16(dz)) if fp8_backward else dz
         dx.index_add_(0, t, dz_rows @ w13b[e])
         if fp8_backward:

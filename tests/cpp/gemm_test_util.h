@@ -25,6 +25,28 @@ namespace megamoe_test {
 constexpr uint16_t kNaNPoison = 0x7FC0;  // A rows the kernel must not mix into real rows
 constexpr uint16_t kCPoison = 0xFFFF;    // a NaN pattern: unwritten C shows as NaN
 
+// A gated GEMM's activation checks (args: good arguments): an unknown activation, and the clamped
+// SwiGLU without a positive finite limit.
+template <class Args>
+void expect_activation_rejections(PlanEntry<Args> entry, const Args& args) {
+  const auto limited = [](float limit) {
+    return [=](megamoe_routing_plan&, Args& a) {
+      a.activation = MEGAMOE_ACTIVATION_SWIGLU_LIMIT;
+      a.activation_limit = limit;
+    };
+  };
+  const std::string needs = "MEGAMOE_ACTIVATION_SWIGLU_LIMIT needs a positive finite activation_limit, got ";
+  expect_rejections<Args>(entry, unread_plan(), args,
+                          {
+                              {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
+                              {[](auto&, auto& a) { a.activation = -1; }, "unknown activation -1"},
+                              {limited(0.f), (needs + "0").c_str()},
+                              {limited(-1.f), (needs + "-1").c_str()},
+                              {limited(INFINITY), (needs + "inf").c_str()},
+                              {limited(NAN), (needs + "nan").c_str()},
+                          });
+}
+
 inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

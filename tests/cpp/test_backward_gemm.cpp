@@ -229,9 +229,9 @@ TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
   using Args = megamoe_gated_backward_args;
   void* p = check_buf;
   auto* fp = reinterpret_cast<float*>(check_buf);
+  const Args args{p, p, p, fp, p, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU};
   expect_rejections<Args>(
-      megamoe_grouped_gemm_gated_backward_bf16, unread_plan(),
-      Args{p, p, p, fp, p, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
+      megamoe_grouped_gemm_gated_backward_bf16, unread_plan(), args,
       {
           {[](auto&, auto& a) { a.dy_pool = nullptr; }, "dy_pool must be non-null"},
           {[](auto&, auto& a) { a.w2 = nullptr; }, "w2 must be non-null"},
@@ -257,17 +257,17 @@ TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
              a.hidden = 1 << 20;
            },
            "the rows of w2 = 4294967296 exceeds the 32-bit row range"},
-          {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
       });
+  expect_activation_rejections<Args>(megamoe_grouped_gemm_gated_backward_bf16, args);
 }
 
 TEST(GroupedGemmSwigluBackwardValidation, Fp8RejectsBadArguments) {
   using Args = megamoe_gated_backward_fp8_args;
   void* p = check_buf;
   auto* fp = reinterpret_cast<float*>(check_buf);
+  const Args args{p, fp, p, fp, p, fp, p, p, fp, p, fp, p, fp, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU};
   expect_rejections<Args>(
-      megamoe_grouped_gemm_gated_backward_fp8, unread_plan(),
-      Args{p, fp, p, fp, p, fp, p, p, fp, p, fp, p, fp, p, fp, 256, 256, MEGAMOE_ACTIVATION_SWIGLU},
+      megamoe_grouped_gemm_gated_backward_fp8, unread_plan(), args,
       {
           {[](auto&, auto& a) { a.dy_pool = nullptr; }, "dy_pool must be non-null"},
           {[](auto&, auto& a) { a.w2t = nullptr; }, "w2t must be non-null"},
@@ -285,8 +285,8 @@ TEST(GroupedGemmSwigluBackwardValidation, Fp8RejectsBadArguments) {
            "hp_t_scales must be 16-byte aligned"},
           {[](auto&, auto& a) { a.intermediate = 200; },
            "intermediate must be a positive multiple of 128 (block-FP8 scale blocks), got 200"},
-          {[](auto&, auto& a) { a.activation = 7; }, "unknown activation 7"},
       });
+  expect_activation_rejections<Args>(megamoe_grouped_gemm_gated_backward_fp8, args);
 }
 
 TEST(DpReduceValidation, RejectsBadArguments) {

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from megamoe.activation import ACTIVATIONS, check_activation, gated
+from megamoe.activation import (ACTIVATIONS, activation_limit, check_activation, gated, native_activation,
+                                swiglu_with_limit)
 
 
 def test_swiglu_is_silu_of_the_gate_times_up():
@@ -33,7 +35,39 @@ def test_activations_are_named_once():
         assert check_activation(name) == name
 
 
-@pytest.mark.parametrize("bad", ["bogus", "silu", None, 1])
+@pytest.mark.parametrize("bad", ["bogus", "silu", None, 1, "swiglu(limit=)", "geglu(limit=1)", "swiglu(limit=(1))"])
 def test_unknown_activation_names_the_known_ones(bad):
-    with pytest.raises(ValueError, match=r"activation must be one of \(.*'swiglu'.*\), got"):
+    with pytest.raises(ValueError, match=r"activation must be one of \(.*'swiglu'.*\) or 'swiglu\(limit=L\)'"):
         check_activation(bad)
+
+
+def test_clamped_swiglu_clamps_the_gate_above_and_up_on_both_sides():
+    limit = 7.5
+    gate = torch.tensor([-9.0, -7.5, 0.5, 7.5, 9.0, float("nan")], dtype=torch.float64)
+    up = torch.tensor([9.0, -9.0, 2.0, -7.5, 7.0, 1.0], dtype=torch.float64)
+    expected = F.silu(torch.tensor([-9.0, -7.5, 0.5, 7.5, 7.5, float("nan")], dtype=torch.float64)) * torch.tensor(
+        [7.5, -7.5, 2.0, -7.5, 7.0, 1.0], dtype=torch.float64)
+    got = gated(torch.cat([gate, up]), swiglu_with_limit(limit))
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_clamped_swiglu_has_no_gradient_at_or_past_a_bound():
+    """As torch's clamp differentiates it, which the kernels follow: the gate's gradient is 0 from the
+    limit up, the up's from either bound out (and at a NaN)."""
+    gate = torch.tensor([1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64, requires_grad=True)
+    up = torch.tensor([1.0, 1.0, 1.0, 2.0, -2.0, 3.0, -1.5], dtype=torch.float64, requires_grad=True)
+    gated(torch.cat([gate, up]), swiglu_with_limit(2.0)).sum().backward()
+    assert gate.grad[1:3].eq(0).all() and gate.grad[0] != 0
+    assert up.grad[3:6].eq(0).all() and up.grad[6] != 0 and up.grad[0] != 0
+
+
+def test_a_limit_is_held_in_fp32_and_must_be_positive_and_finite():
+    assert swiglu_with_limit(7) == "swiglu(limit=7.0)"
+    assert activation_limit(swiglu_with_limit(0.02)) == float(torch.tensor(0.02, dtype=torch.float32))
+    assert check_activation("swiglu(limit=7)") == "swiglu(limit=7)" and activation_limit("swiglu(limit=7)") == 7.0
+    assert native_activation("swiglu") == (0, 0.0)
+    for bad in (0, -1.0, float("inf"), float("nan"), 1e39, "x"):
+        with pytest.raises(ValueError, match="the SwiGLU limit must be a positive finite number"):
+            swiglu_with_limit(bad)
+        with pytest.raises(ValueError, match="the SwiGLU limit must be a positive finite number"):
+            check_activation(f"swiglu(limit={bad})")

@@ -8,10 +8,10 @@ import torch
 
 import virtual_ranks
 from conftest import requires_cuda
-from megamoe.activation import ACTIVATIONS
 from megamoe.fused import fused_moe_backward, fused_moe_forward
 from megamoe.reference import reference_moe, relative_error
 from megamoe.shapes import make_routing
+from test_backends import TESTED_ACTIVATIONS
 
 HIDDEN, INTER, TOP_K = 256, 256, 4
 
@@ -36,7 +36,7 @@ def _sm90():
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", TESTED_ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank,num_experts", [([300, 200], 8), ([257, 0, 64, 1], 16), ([130], 8)])
 def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
@@ -51,7 +51,7 @@ def test_virtual_ranks_equal_one_rank_bitwise(tokens_per_rank, num_experts, acti
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", TESTED_ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank,num_experts", [([300, 200], 8), ([257, 0, 64, 1], 16)])
 def test_virtual_ranks_backward_equals_one_rank_bitwise(tokens_per_rank, num_experts, activation):
     xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 
 import megamoe
 from conftest import requires_cuda
-from megamoe.activation import ACTIVATIONS
 from megamoe.expert_parallel_group import _workspace
 from megamoe.reference import relative_error
+from test_backends import TESTED_ACTIVATIONS
 from test_expert_parallel import _problem, _sm90
 
 
@@ -160,7 +160,7 @@ def _spawn(fn, world, tmp_path, *args):
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 # K = 4: two ranks copy their peer's rows whole before the pull, four pull them in place.
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", TESTED_ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
 def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank, activation):
     _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, activation)

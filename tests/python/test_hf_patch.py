@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megamoe
+from megamoe.activation import swiglu_with_limit
 from megamoe.reference import relative_error
 
 from conftest import requires_cuda
@@ -407,8 +408,9 @@ def test_experts_found_by_the_decorator_flags_not_the_class():
 
 def test_a_gate_of_its_own_is_served_where_it_computes_act_gate_times_up():
     """An experts module's own _apply_gate is served where it computes act_fn(gate) * up (here in fp32,
-    as BEAM's does) and refused where it clamps or caps, however far out; an act_fn that is torch's
-    function itself (LFM2-MoE's F.silu) maps as ACT2FN's module does."""
+    as BEAM's does), or SwiGLU clamped at the module's `limit` / `swiglu_limit` (DeepSeek-V4, HY-V4),
+    and refused where it clamps or caps otherwise, however far out; an act_fn that is torch's function
+    itself (LFM2-MoE's F.silu) maps as ACT2FN's module does."""
     from transformers.integrations.moe import use_experts_implementation
 
     class Experts(nn.Module):
@@ -418,24 +420,38 @@ def test_a_gate_of_its_own_is_served_where_it_computes_act_gate_times_up():
             self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))
             self.act_fn = act_fn or nn.SiLU()
 
-    def gate_of_its_own(name, gate):
+    def gate_of_its_own(name, gate, **attributes):
         def apply_gate(self, gate_up):
             g, u = gate_up.chunk(2, dim=-1)
             return gate(self, g, u)
-        return use_experts_implementation(type(name, (Experts,), {"_apply_gate": apply_gate}))(config)
+        experts = use_experts_implementation(type(name, (Experts,), {"_apply_gate": apply_gate}))(config)
+        for attribute, value in attributes.items():
+            setattr(experts, attribute, value)
+        return experts
+
+    def swiglu_clamped(limit):
+        return lambda self, g, u: self.act_fn(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
 
     config = transformers.PretrainedConfig()
     model = nn.ModuleDict(dict(
         upcast=gate_of_its_own("Upcast", lambda self, g, u: (self.act_fn(g.float()) * u.float()).to(g.dtype)),
         functional=use_experts_implementation(Experts)(config, F.silu),
+        limited=gate_of_its_own("Limited", swiglu_clamped(7.5), limit=7.5),
+        swiglu_limited=gate_of_its_own("SwigluLimited", swiglu_clamped(0.02), swiglu_limit=0.02),
         clamped=gate_of_its_own("Clamped", lambda self, g, u: self.act_fn(g.clamp(max=1000.0)) * u),
+        limited_elsewhere=gate_of_its_own("LimitedElsewhere", swiglu_clamped(15.0), limit=7.5),
+        clamped_after=gate_of_its_own(
+            "ClampedAfter", lambda self, g, u: self.act_fn(g).clamp(max=7.5) * u.clamp(min=-7.5, max=7.5), limit=7.5),
         capped=gate_of_its_own("Capped", lambda self, g, u: self.act_fn(g) * 5000.0 * torch.tanh(u / 5000.0)),
         other=gate_of_its_own("Other", lambda self, g, u: self.act_fn(u) * g)))
     served, refused = megamoe.hf.experts_modules(model)
-    assert [(name, activation) for name, _, activation in served] == [("upcast", "swiglu"), ("functional", "swiglu")]
+    assert [(name, activation) for name, _, activation in served] == [
+        ("upcast", "swiglu"), ("functional", "swiglu"), ("limited", swiglu_with_limit(7.5)),
+        ("swiglu_limited", swiglu_with_limit(0.02))]
     assert {name: reason for name, _, reason in refused} == {
-        name: f"a gate of its own ({cls}._apply_gate), not act(gate) * up"
-        for name, cls in (("clamped", "Clamped"), ("capped", "Capped"), ("other", "Other"))}
+        name: f"a gate of its own ({cls}._apply_gate), not act(gate) * up nor SwiGLU clamped at its limit"
+        for name, cls in (("clamped", "Clamped"), ("limited_elsewhere", "LimitedElsewhere"),
+                          ("clamped_after", "ClampedAfter"), ("capped", "Capped"), ("other", "Other"))}
 
 
 def test_patch_runs_the_megamoe_backend(monkeypatch):

@@ -48,13 +48,14 @@ def _header_functions() -> dict[str, tuple[str, list[str]]]:
 
 
 def _c_kind(c_type: str, struct_names) -> str:
-    """int32 -> 'i4', size_t -> 'u8', pointer to a struct of the API -> its name, other pointers -> 'ptr'."""
+    """int32 -> 'i4', size_t -> 'u8', float -> 'f4', a pointer to a struct of the API -> its name, other
+    pointers -> 'ptr'."""
     base = c_type.replace("const", "").replace(" ", "")
     if base.count("*") == 1 and base.rstrip("*") in struct_names:
         return base.rstrip("*")
     if "*" in base:
         return "ptr"
-    return {"int32_t": "i4", "int": "i4", "int64_t": "i8", "size_t": "u8"}.get(base, base)
+    return {"int32_t": "i4", "int": "i4", "int64_t": "i8", "size_t": "u8", "float": "f4"}.get(base, base)
 
 
 def _ctypes_kind(t) -> str:
@@ -65,6 +66,8 @@ def _ctypes_kind(t) -> str:
         return target.__name__ if issubclass(target, ctypes.Structure) else "ptr"
     if t in (ctypes.c_void_p, ctypes.c_char_p):
         return "ptr"
+    if t is ctypes.c_float:
+        return "f4"
     return ("i" if t(-1).value < 0 else "u") + str(ctypes.sizeof(t))
 
 
@@ -104,4 +107,8 @@ def test_constants_match_the_header(name):
 def test_activations_match_the_header():
     header = {name.removeprefix("ACTIVATION_").lower(): value for name, value in _defines().items()
               if name.startswith("ACTIVATION_")}
-    assert header == {name: activation.activation_id(name) for name in activation.ACTIVATIONS}
+    limited = activation.swiglu_with_limit(7.5)
+    assert header == {**{name: activation.activation_id(name) for name in activation.ACTIVATIONS},
+                      "swiglu_limit": activation.activation_id(limited)}
+    assert activation.native_activation(limited) == (header["swiglu_limit"], 7.5)
+    assert activation.native_activation("geglu") == (header["geglu"], 0.0)

@@ -201,5 +201,6 @@ def _entry_points():
 def test_unknown_activation_raises_from_every_entry_point(entry_point):
     from megamoe.activation import ACTIVATIONS
 
-    with pytest.raises(ValueError, match=re.escape(f"activation must be one of {ACTIVATIONS}, got 'bogus'")):
+    message = f"activation must be one of {ACTIVATIONS} or 'swiglu(limit=L)' (L > 0), got 'bogus'"
+    with pytest.raises(ValueError, match=re.escape(message)):
         _entry_points()[entry_point]()

@@ -330,6 +330,9 @@ int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, void* stream);
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_ACTIVATION_SWIGLU 0  // act = silu(g) = g / (1 + exp(-g))
 #define MEGAMOE_ACTIVATION_GEGLU 1   // act = gelu(g), tanh form: g / 2 (1 + tanh(√(2/π) (g + 0.044715 g³)))
+// SwiGLU clamped at L = activation_limit (> 0, finite): h = silu(min(g, L)) ⊙ clamp(u, -L, L), with
+// no gradient at or past a bound (DeepSeek-V4's swiglu_limit). The other activations ignore the limit.
+#define MEGAMOE_ACTIVATION_SWIGLU_LIMIT 2
 
 // ---------------------------------------------------------------------------------------------
 // GEMM1 of the expert MLP with the gated activation fused into the epilogue.
@@ -350,6 +353,7 @@ typedef struct {
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*
+  float activation_limit;  // MEGAMOE_ACTIVATION_SWIGLU_LIMIT's L
 } megamoe_gated_gemm_args;
 
 int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan, const megamoe_gated_gemm_args* args,
@@ -372,6 +376,7 @@ typedef struct {
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*
+  float activation_limit;  // MEGAMOE_ACTIVATION_SWIGLU_LIMIT's L
 } megamoe_gated_gemm_fp8_args;
 
 int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, const megamoe_gated_gemm_fp8_args* args,
@@ -453,6 +458,7 @@ typedef struct {
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward
+  float activation_limit;  // as in the forward
 } megamoe_gated_backward_args;
 
 int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
@@ -488,6 +494,7 @@ typedef struct {
   int32_t intermediate;
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward
+  float activation_limit;  // as in the forward
 } megamoe_gated_backward_fp8_args;
 
 int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_plan* plan,

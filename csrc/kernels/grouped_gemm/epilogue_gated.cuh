@@ -107,10 +107,12 @@ struct GatedTile {
     }
   }
 
-  // h = act(g) · u in fp32, an m64n128 fragment of the tile's 128 h columns.
-  __device__ static void activate(const float (&acc)[Cfg::kAccumulators], float (&h)[kHalf]) {
+  // h = act(g) · u in fp32, an m64n128 fragment of the tile's 128 h columns; activation_limit: the
+  // C API's (activation.cuh).
+  __device__ static void activate(const float (&acc)[Cfg::kAccumulators], float (&h)[kHalf], float activation_limit) {
+    const Act act = Act::of(activation_limit);
 #pragma unroll
-    for (int x = 0; x < kHalf; ++x) h[x] = Act::value(acc[x]) * acc[x + kHalf];
+    for (int x = 0; x < kHalf; ++x) h[x] = act.gated(acc[x], acc[x + kHalf]);
   }
 };
 
@@ -123,10 +125,12 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   struct Arguments {
     void* h;  // [pool rows, I] bf16
     void* z;  // [T·K, 2I] bf16, compact (KeepZ only)
+    float activation_limit;
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I], 16-row x 64-column boxes (tma_store_chunks)
     typename Tile::ZParams z;  // (KeepZ only)
+    float activation_limit;
   };
   using typename Tile::Rows;
 
@@ -136,6 +140,7 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
   }
   static int to_params(const PoolProblem& p, const Arguments& args, Params* params) {
     *params = Params{};
+    params->activation_limit = args.activation_limit;
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
     return Tile::z_params(p, args.z, &params->z);
   }
@@ -152,7 +157,7 @@ struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
     Tile::store_z(acc, p.z, smem, warpgroup, row0, t.n_tile, rows);
     float h[kHalf];
-    Tile::activate(acc, h);
+    Tile::activate(acc, h, p.activation_limit);
     Pending pending;
     pack_fragment(h, pending.h);
     pending.row0 = row0;

@@ -63,6 +63,7 @@ struct GatedBackwardParams {
   float* dp_partial;  // [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(I)]
   int intermediate;
   int pool_rows;
+  float activation_limit;  // the C API's (activation.cuh)
 };
 
 // The problem's N is I (columns of dh), its K the hidden size. C: the main loop's config, BF16
@@ -94,6 +95,7 @@ struct GatedBackwardEpilogue {
     float* dz_t_scales;      // block FP8: [pool rows / 128, 2I]
     void* hp_t;              // block FP8: [I, pool rows] e4m3
     float* hp_t_scales;      // block FP8: [I / 128, pool rows / 128]
+    float activation_limit;
   };
 
   static int can_implement(const PoolProblem& p, const Arguments& args) {
@@ -128,6 +130,7 @@ struct GatedBackwardEpilogue {
     params->dp_partial = args.dp_partial;
     params->intermediate = p.n;
     params->pool_rows = int(p.rows);
+    params->activation_limit = args.activation_limit;
     if constexpr (kQuantizeDz) {
       params->dz_scales = args.dz_scales;
       params->dz_t = static_cast<uint8_t*>(args.dz_t);
@@ -190,6 +193,7 @@ struct GatedBackwardEpilogue {
     const uint32_t rows_offset = warpgroup * kWarpgroupRows * kSwizzleBytes;  // the warpgroup's 64 rows
     const int first_stage = state.stage;  // the tile's chunks come through consecutive stages
     const auto stage_of = [&](int c) { return (first_stage + c) % Stages; };
+    const Act act = Act::of(p.activation_limit);
     float dp[2] = {0.f, 0.f};
     RowAmaxBf16 dg_amax, du_amax, hp_amax;  // block FP8: over the current 128-column block
 #pragma unroll
@@ -227,12 +231,12 @@ struct GatedBackwardEpilogue {
           for (int i = 0; i < 2; ++i) {
             const float gi = i ? gv.y : gv.x, ui = i ? uv.y : uv.x;
             const float dh = acc[4 * j + 2 * h + i];
-            const auto act = Act::at(gi);
-            const float hv = act.value * ui;
+            const auto a = act.at(gi, ui);
+            const float hv = a.value * a.up;
             dp[h] = fmaf(hv, dh, dp[h]);
             const float dhw = pw * dh;
-            out_dg[i] = Act::chain(dhw * ui, act);
-            out_du[i] = dhw * act.value;
+            out_dg[i] = act.chain(dhw * a.up, a);
+            out_du[i] = act.up_chain(dhw * a.value, a);
             out_hp[i] = pw * hv;
           }
           const uint32_t keep = rows.live(h) ? ~0u : 0u;  // a dead row's values are zeroed as packed pairs

@@ -28,12 +28,14 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     void* h;          // [pool rows, I] e4m3
     float* h_scales;  // [I / 128, pool rows]
     void* z;          // [T·K, 2I] bf16, compact (KeepZ only)
+    float activation_limit;
   };
   struct Params {
     CUtensorMap h;  // [max_blocks * 128, I] e4m3, 16-row x 128-byte boxes
     typename Tile::ZParams z;  // (KeepZ only)
     float* h_scales;
     int pool_rows;
+    float activation_limit;
   };
   using typename Tile::Rows;
 
@@ -45,6 +47,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     *params = Params{};
     params->h_scales = args.h_scales;
     params->pool_rows = int(p.rows);
+    params->activation_limit = args.activation_limit;
     MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(&params->h, args.h, p.rows, uint64_t(p.n), kWarpRows, p.fn, "h"));
     return Tile::z_params(p, args.z, &params->z);
   }
@@ -61,7 +64,7 @@ struct GatedFp8Epilogue : GatedTile<Act, KeepZ, Fp8Config<256, 2>> {
     const int row0 = t.block * kBlockM + warpgroup * kWarpgroupRows;
     Tile::store_z(acc, p.z, smem, warpgroup, row0, t.n_tile, rows);
     float h[kHalf];
-    Tile::activate(acc, h);
+    Tile::activate(acc, h, p.activation_limit);
     RowAmax amax;
 #pragma unroll
     for (int x = 0; x < kHalf; ++x) amax.add((x / 2) % 2, h[x]);

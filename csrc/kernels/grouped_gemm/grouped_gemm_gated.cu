@@ -14,7 +14,7 @@ namespace {
 template <class Epi>
 int run_gated(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* stream) {
   const PoolOperands operands{args.a, "a", args.w13, "w13", Epi::b_rows(p)};
-  return run_pool_gemm<Epi>(p, operands, {args.h, args.z}, stream);
+  return run_pool_gemm<Epi>(p, operands, {args.h, args.z, args.activation_limit}, stream);
 }
 
 }  // namespace
@@ -26,7 +26,7 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
-  return with_activation(fn, args->activation, [&](auto act) {
+  return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     return args->z == nullptr ? run_gated<GatedEpilogue<Act, false>>(p, *args, stream)
                               : run_gated<GatedEpilogue<Act, true>>(p, *args, stream);
@@ -41,12 +41,13 @@ extern "C" int megamoe_grouped_gemm_gated_fp8(const megamoe_routing_plan* plan, 
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kFp8SizeMultiple, &p));
   const Fp8Scales scales{args->a_scales, args->w13_scales};
-  return with_activation(fn, args->activation, [&](auto act) {
+  return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
       const PoolOperands operands{args->a, "a", args->w13, "w13", Epi::b_rows(p)};
-      return run_pool_gemm_fp8<Epi>(p, operands, {args->h, args->h_scales, args->z}, scales, stream);
+      return run_pool_gemm_fp8<Epi>(p, operands, {args->h, args->h_scales, args->z, args->activation_limit}, scales,
+                                     stream);
     };
     return args->z == nullptr ? run(GatedFp8Epilogue<Act, false>{}) : run(GatedFp8Epilogue<Act, true>{});
   });

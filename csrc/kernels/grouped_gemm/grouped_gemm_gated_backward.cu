@@ -15,8 +15,8 @@ template <class Epi>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
   // The block-FP8 outputs (dz_q, dz_scales, dz_t, dz_t_scales, hp_t, hp_t_scales) stay null.
-  const typename Epi::Arguments arguments{args.z, args.p_pool, args.dz, args.hp, args.dp_partial,
-                                          nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  const typename Epi::Arguments arguments{args.z,  args.p_pool, args.dz, args.hp, args.dp_partial, nullptr, nullptr,
+                                          nullptr, nullptr,     nullptr, nullptr, args.activation_limit};
   return run_pool_gemm<Epi>(p, operands, arguments, stream);
 }
 
@@ -29,7 +29,7 @@ extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_pl
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
-  return with_activation(fn, args->activation, [&](auto act) {
+  return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     return wide_tiles(p.n) ? run_gated_backward<GatedBackwardEpilogue<Act, 256>>(p, *args, stream)
                            : run_gated_backward<GatedBackwardEpilogue<Act, 128>>(p, *args, stream);
@@ -45,14 +45,14 @@ extern "C" int megamoe_grouped_gemm_gated_backward_fp8(const megamoe_routing_pla
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kFp8SizeMultiple, &p));
   const PoolOperands operands{args->dy_pool, "dy_pool", args->w2t, "w2t", BRows{p.n, 0}};
   const Fp8Scales scales{args->dy_scales, args->w2t_scales};
-  return with_activation(fn, args->activation, [&](auto act) {
+  return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     const auto run = [&](auto epilogue) {
       using Epi = decltype(epilogue);
       return run_pool_gemm_fp8<Epi>(
           p, operands,
           {args->z, args->p_pool, args->dz, args->hp, args->dp_partial, args->dz_q, args->dz_scales, args->dz_t,
-           args->dz_t_scales, args->hp_t, args->hp_t_scales},
+           args->dz_t_scales, args->hp_t, args->hp_t_scales, args->activation_limit},
           scales, stream);
     };
     return wide_tiles(p.n) ? run(GatedBackwardEpilogue<Act, 256, Fp8Config<256>>{})
