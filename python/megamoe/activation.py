@@ -47,34 +47,37 @@ def swiglu_with_limit(limit: float) -> str:
     return f"swiglu(limit={_fp32_limit(limit)!r})"
 
 
-def check_activation(activation) -> str:
-    """activation, if it names an activation; a ValueError naming them otherwise."""
+def _parse(activation) -> tuple[str, float]:
+    """(activation, its limit in fp32: 0 for ACTIVATIONS) if it names an activation; a ValueError
+    naming them otherwise."""
     if isinstance(activation, str):
         if activation in _GATES:
-            return activation
+            return activation, 0.0
         limited = _LIMITED.fullmatch(activation)
         if limited is not None:
-            _fp32_limit(limited.group(1))
-            return activation
+            return activation, _fp32_limit(limited.group(1))
     raise ValueError(f"activation must be one of {ACTIVATIONS} or 'swiglu(limit=L)' (L > 0), got {activation!r}")
+
+
+def check_activation(activation) -> str:
+    """activation, if it names an activation; a ValueError naming them otherwise."""
+    return _parse(activation)[0]
 
 
 def activation_limit(activation: str) -> float:
     """The L of "swiglu(limit=L)" in fp32 (the C API's activation_limit); 0 for the other activations."""
-    limited = _LIMITED.fullmatch(check_activation(activation))
-    return 0.0 if limited is None else _fp32_limit(limited.group(1))
+    return _parse(activation)[1]
+
+
+def native_activation(activation: str) -> tuple[int, float]:
+    """(MEGAMOE_ACTIVATION_* value, activation_limit) as the C API's gated GEMMs take them."""
+    name, limit = _parse(activation)
+    return (_LIMITED_ID if limit else ACTIVATIONS.index(name)), limit
 
 
 def activation_id(activation: str) -> int:
     """The C API's MEGAMOE_ACTIVATION_* value of an activation's name."""
-    if check_activation(activation) in _GATES:
-        return ACTIVATIONS.index(activation)
-    return _LIMITED_ID
-
-
-def native_activation(activation: str) -> tuple[int, float]:
-    """(activation, activation_limit) as the C API's gated GEMMs take them."""
-    return activation_id(activation), activation_limit(activation)
+    return native_activation(activation)[0]
 
 
 def gated(z: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
