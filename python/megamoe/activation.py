@@ -4,8 +4,8 @@ h with `gated`; the fused kernels take the activation's C API id and limit (gemm
 gated_backward).
 
 An activation is named by a string: one of ACTIVATIONS, or SwiGLU clamped at a limit L,
-"swiglu(limit=L)" (swiglu_with_limit): h = silu(min(gate, L)) · clamp(up, -L, L), with no gradient at
-or past a bound, as DeepSeek-V4's experts compute with their swiglu_limit.
+"swiglu(limit=L)" (swiglu_with_limit): h = silu(min(gate, L)) · clamp(up, -L, L), DeepSeek-V4's
+experts' swiglu_limit, with no gradient at or past a bound, nor at a NaN.
 
 Adding an activation, on the Python side, is adding its gate function to _GATES: ACTIVATIONS, the
 checks of every entry point and the tests parametrized over ACTIVATIONS follow from it.
@@ -86,5 +86,10 @@ def gated(z: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     intermediate = z.shape[-1] // 2
     gate, up = z[..., :intermediate], z[..., intermediate:]
     if limit:
-        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        # torch.where passes the gradient only to the side it takes: none at or past a bound, nor at a
+        # NaN (as the kernels do), where torch's clamp passes it at a bound in some versions (2.11)
+        # and not in others (2.15). The clamped side is detached; clamp keeps a NaN a NaN.
+        gate = torch.where(gate < limit, gate, gate.detach().clamp(max=limit))
+        up = torch.where(up.abs() < limit, up, up.detach().clamp(min=-limit, max=limit))
+        return F.silu(gate) * up
     return _GATES[activation](gate) * up

@@ -71,8 +71,8 @@ struct GeluTanh {
 };
 
 // SwiGLU clamped at L = limit (DeepSeek-V4's swiglu_limit): g' = min(g, L), u' = clamp(u, −L, L),
-// as torch's clamp computes them (a NaN stays NaN) and differentiates them (no gradient at or past
-// a bound, nor at a NaN).
+// as torch's clamp computes them (a NaN stays NaN), with no gradient at or past a bound, nor at a NaN
+// (megamoe.activation.gated's convention, whichever way a torch version's clamp takes a bound).
 struct SiluLimit {
   float limit;
   struct At : Silu::At {
