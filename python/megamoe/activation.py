@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +33,12 @@ _LIMITED_ID = len(_GATES)  # MEGAMOE_ACTIVATION_SWIGLU_LIMIT
 
 
 def _fp32_limit(limit) -> float:
-    """limit rounded to fp32, as the kernels hold it; a ValueError unless it is positive and finite."""
+    """limit rounded to fp32 (to nearest), as the kernels hold it; a ValueError unless it is positive and
+    finite. Rounded by struct, not through a tensor, which a fake-tensor trace (torch.compile) may not
+    read back."""
     try:
-        value = float(torch.tensor(float(limit), dtype=torch.float32))
-    except (TypeError, ValueError):
+        value = struct.unpack("f", struct.pack("f", float(limit)))[0]
+    except (TypeError, ValueError, OverflowError):  # OverflowError: past the largest fp32
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"the SwiGLU limit must be a positive finite number (held in fp32), got {limit!r}")
