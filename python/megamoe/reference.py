@@ -129,9 +129,11 @@ def reference_moe_grads(x, topk_ids, topk_weights, w13, w2, dy, *, activation: s
 _SLICE = 1 << 24  # values per slice of relative_error: 128 MB in fp64
 
 
+@torch.no_grad()
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in fp64 (NaN when out has NaNs, so NaN never passes a bound), over slices of
-    2**24 values, so comparing a weight gradient takes no fp64 copies of it."""
+    2**24 values, so comparing a weight gradient takes no fp64 copies of it (and no autograd graph
+    keeps the slices when out requires grad)."""
     if out.shape != ref.shape:
         raise ValueError(f"relative_error compares tensors of one shape, got {tuple(out.shape)} and {tuple(ref.shape)}")
     squares = torch.zeros(2, dtype=torch.float64, device=ref.device)
