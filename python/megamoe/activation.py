@@ -78,11 +78,6 @@ def native_activation(activation: str) -> tuple[int, float]:
     return (_LIMITED_ID if limit else ACTIVATIONS.index(name)), limit
 
 
-def activation_id(activation: str) -> int:
-    """The C API's MEGAMOE_ACTIVATION_* value of an activation's name."""
-    return native_activation(activation)[0]
-
-
 def gated(z: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """h [..., I] = act(z[..., :I]) · z[..., I:] for z [..., 2I] (gate | up), in z's dtype."""
     limit = activation_limit(activation)

@@ -108,7 +108,7 @@ def test_activations_match_the_header():
     header = {name.removeprefix("ACTIVATION_").lower(): value for name, value in _defines().items()
               if name.startswith("ACTIVATION_")}
     limited = activation.swiglu_with_limit(7.5)
-    assert header == {**{name: activation.activation_id(name) for name in activation.ACTIVATIONS},
-                      "swiglu_limit": activation.activation_id(limited)}
+    assert header == {**{name: activation.native_activation(name)[0] for name in activation.ACTIVATIONS},
+                      "swiglu_limit": activation.native_activation(limited)[0]}
     assert activation.native_activation(limited) == (header["swiglu_limit"], 7.5)
     assert activation.native_activation("geglu") == (header["geglu"], 0.0)
