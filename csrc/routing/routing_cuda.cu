@@ -40,7 +40,7 @@ struct WarpGroupOfExpert {
   int rank;        // this lane's position among its peers
 };
 
-// key_bits: the bits of the largest local expert + 1 (the key of "none" is 0).
+// Lanes with equal keys expert + 1 (0 for none, at most num_local_experts, which fits in key_bits).
 __device__ WarpGroupOfExpert group_lanes_by_expert(int32_t expert, int key_bits) {
   const unsigned key = unsigned(expert + 1);
   unsigned peers = 0xffffffffu;
