@@ -69,6 +69,8 @@ std::vector<Case> cases() {
   out.push_back(make_case("one_token", 1, 8, 128, 0, 128, 0.0, 0.0, 7));
   out.push_back(make_case("top1", 513, 1, 4, 0, 4, 0.0, 0.0, 8));
   out.push_back(make_case("local_slice", 2048, 8, 128, 32, 32, 0.1, 0.05, 9));
+  // One expert per rank (8 experts over 8 ranks): a route's key is 0 or 1, one bit to rank by.
+  out.push_back(make_case("one_local_expert", 700, 2, 8, 5, 1, 0.0, 0.1, 15));
   out.push_back(make_case("many_experts", 3000, 6, 2000, 0, 2000, 0.0, 0.0, 10));
   // Around the one-CTA build (32 chunks of 512 routes, chunk counters up to 64 KB; local_slice has
   // exactly 32 chunks): one chunk more, counters past 64 KB, and counters past the default 48 KB.
