@@ -28,24 +28,24 @@ void check_megamoe(int status, const char* what) {
   std::exit(1);
 }
 
-// The plan's arrays, on the device or the host.
+// The plan's arrays, on the device or the host, in the plan's field order.
 struct PlanArrays {
+  std::vector<int64_t> sizes;
   std::vector<std::vector<int32_t>> host;
   std::vector<int32_t*> device;
   megamoe_routing_plan plan{};
 
-  PlanArrays(const megamoe_routing_shape& s, bool on_device) {
-    const int64_t sizes[] = {s.num_local_experts,         s.num_local_experts + 1,     s.num_local_experts + 1,
-                             s.num_tokens * s.top_k,      megamoe_routing_capacity(&s), megamoe_routing_max_blocks(&s),
-                             1,                           1};
+  PlanArrays(const megamoe_routing_shape& s, bool on_device)
+      : sizes{s.num_local_experts,     s.num_local_experts + 1,       s.num_local_experts + 1,
+              s.num_tokens * s.top_k,  megamoe_routing_capacity(&s), megamoe_routing_max_blocks(&s),
+              1,                       1} {
     int32_t* arrays[8];
     for (int i = 0; i < 8; ++i) {
-      const size_t n = size_t(std::max<int64_t>(sizes[i], 1));
       if (on_device) {
-        check_cuda(cudaMalloc(&arrays[i], n * sizeof(int32_t)), "cudaMalloc");
+        check_cuda(cudaMalloc(&arrays[i], size_t(std::max<int64_t>(sizes[i], 1)) * sizeof(int32_t)), "cudaMalloc");
         device.push_back(arrays[i]);
       } else {
-        host.emplace_back(n);
+        host.emplace_back(size_t(sizes[i]));
         arrays[i] = host.back().data();
       }
     }
@@ -54,12 +54,9 @@ struct PlanArrays {
     if (on_device && workspace > 0) check_cuda(cudaMalloc(&plan.workspace, workspace), "cudaMalloc");
   }
 
-  // Every array as the host sees it, in the plan's field order.
+  // Every array as the host sees it.
   std::vector<std::vector<int32_t>> read() const {
     if (device.empty()) return host;
-    const int64_t sizes[] = {plan.shape.num_local_experts,       plan.shape.num_local_experts + 1,
-                             plan.shape.num_local_experts + 1,   plan.shape.num_tokens * plan.shape.top_k,
-                             megamoe_routing_capacity(&plan.shape), megamoe_routing_max_blocks(&plan.shape), 1, 1};
     std::vector<std::vector<int32_t>> out;
     for (int i = 0; i < 8; ++i) {
       out.emplace_back(size_t(sizes[i]));
