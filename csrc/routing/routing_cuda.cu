@@ -32,7 +32,7 @@ constexpr int kScanBatch = 16;
 // One CTA's chunk counters up to this size fit beside the scan's static shared memory within the
 // default 48 KB; larger ones (up to routing.h's kOneCtaCounterBytes) opt in.
 constexpr int kOneCtaDefaultCounterBytes = 32 * 1024;
-static_assert(kOneCtaChunks == kScanThreads / 32, "the one-CTA build gives each of the scan CTA's warps a chunk");
+static_assert(kOneCtaChunks <= kScanThreads / 32, "the one-CTA build gives each chunk one of the scan CTA's warps");
 
 struct WarpGroupOfExpert {
   unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")

@@ -75,7 +75,7 @@ int main() {
   check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
   int32_t* host_count;  // the pinned slot the layer's plans write their invalid-id count to
   check_cuda(cudaHostAlloc(&host_count, sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc");
-  for (const int64_t tokens : {256, 1024, 2048, 16384}) {
+  for (const int64_t tokens : {256, 512, 1024, 2048, 4096, 16384}) {
     const megamoe_routing_shape shape{tokens, kTopK, kExperts, 0, kExperts};
     std::mt19937 rng{uint32_t(tokens)};
     std::vector<int32_t> ids(size_t(tokens * kTopK)), experts(kExperts);

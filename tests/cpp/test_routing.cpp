@@ -72,9 +72,10 @@ std::vector<Case> cases() {
   // One expert per rank (8 experts over 8 ranks): a route's key is 0 or 1, one bit to rank by.
   out.push_back(make_case("one_local_expert", 700, 2, 8, 5, 1, 0.0, 0.1, 15));
   out.push_back(make_case("many_experts", 3000, 6, 2000, 0, 2000, 0.0, 0.0, 10));
-  // Around the one-CTA build (32 chunks of 512 routes, chunk counters up to 64 KB; local_slice has
-  // exactly 32 chunks): one chunk more, counters past 64 KB, and counters past the default 48 KB.
-  out.push_back(make_case("past_one_cta", 2049, 8, 128, 0, 128, 0.2, 0.0, 12));
+  // Around the one-CTA build (16 chunks of 512 routes, chunk counters up to 64 KB): exactly 16
+  // chunks, one chunk more, counters past 64 KB, and counters past the default 48 KB.
+  out.push_back(make_case("largest_one_cta", 1024, 8, 128, 0, 128, 0.2, 0.05, 16));
+  out.push_back(make_case("past_one_cta", 1025, 8, 128, 0, 128, 0.2, 0.0, 12));
   out.push_back(make_case("few_routes_many_experts", 1000, 6, 2000, 0, 2000, 0.0, 0.0, 13));
   out.push_back(make_case("one_cta_large_counters", 1500, 4, 1024, 0, 1024, 0.1, 0.1, 14));
   auto invalid = make_case("invalid_ids", 200, 4, 16, 0, 16, 0.0, 0.0, 11);
@@ -239,10 +240,10 @@ TEST(RoutingValidation, RejectsNullPlan) {
 }
 
 TEST(RoutingValidation, WorkspaceOnlyPastOneCta) {
-  const megamoe_routing_shape small{2048, 8, 128, 0, 128}, more_chunks{2049, 8, 128, 0, 128},
+  const megamoe_routing_shape small{1024, 8, 128, 0, 128}, more_chunks{1025, 8, 128, 0, 128},
       more_experts{1000, 6, 2000, 0, 2000};
   EXPECT_EQ(megamoe_routing_workspace_bytes(&small), 0u);
-  EXPECT_EQ(megamoe_routing_workspace_bytes(&more_chunks), 33u * 129 * 4);
+  EXPECT_EQ(megamoe_routing_workspace_bytes(&more_chunks), 17u * 129 * 4);
   EXPECT_EQ(megamoe_routing_workspace_bytes(&more_experts), 12u * 2001 * 4);
   // Checked before any CUDA call, so without a GPU too: a plan that needs a workspace must have one.
   std::vector<int32_t> buf(1 << 16, 0);
