@@ -17,10 +17,10 @@ Deterministic: no atomics anywhere.
 
 Block FP8 (DeepSeek-V3 recipe; precision "fp8": forward and backward, "fp8_bwd": the bf16 forward and
 the FP8 backward): x and dy are quantised once per token (1 x 128 scales) and dispatched in e4m3 with
-their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come
-from megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2
-(dh) and w13 (dx) because FP8 tensor cores read both operands K-major (in "fp8_bwd" the only copies); dh's epilogue stores dz only
-in e4m3, quantised per row for dx.
+their scales; GEMM1 quantises h in its epilogue for GEMM2; the weights' 128 x 128 block copies come from
+megamoe.fp8's cache (once per weight version), the backward reading transposed copies of w2 (dh) and w13
+(dx) because FP8 tensor cores read both operands K-major (in "fp8_bwd" the only copies); dh's epilogue
+stores dz only in e4m3, quantised per row for dx.
 The weight gradients are FP8 GEMMs too, K-grouped over each expert's rows: dy and dz transposed and
 quantised in 1 x 128 blocks along the tokens, p·h and x in 128 x 128 blocks (128 tokens x 128
 columns), so the promotion is the forward's FP8 GEMMs' (a scale per fragment row and 128-column

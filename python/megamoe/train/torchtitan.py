@@ -3,11 +3,11 @@ experts or megamoe's (torchtitan 0.2 and its model converters, megamoe/torchtita
 process on one GPU, as TorchTitan trains there: fp32 parameters, bf16 autocast, AdamW, TorchTitan's
 activation checkpointing; synthetic phrase-book data (megamoe.train.data).
 
-  bench   the reference setting: a flavour at a depth that fits one GPU (default 30B-A3B with 4
-          layers), 16384-token sequences, full activation checkpointing. Step time, tokens/s and peak
-          memory of each variant (and a PNG of them): native (TorchTitan's experts, bf16), native-fp8 (TorchTitan's float8
-          grouped-GEMM converter; needs torchao), megamoe, megamoe-fp8; a variant that cannot run is
-          recorded as skipped, with the reason. Writes torchtitan_bench_latest.json.
+  bench   the reference setting: a flavour at a depth that fits one GPU (default 30B-A3B with 4 layers),
+          16384-token sequences, full activation checkpointing. Step time, tokens/s and peak memory of
+          each variant (and a PNG of them): native (TorchTitan's experts, bf16), native-fp8
+          (TorchTitan's float8 grouped-GEMM converter; needs torchao), megamoe, megamoe-fp8; a variant
+          that cannot run is recorded as skipped, with the reason. Writes torchtitan_bench_latest.json.
   parity  loss curves of the debug MoE model, TorchTitan's experts vs megamoe's, from the same weights
           and data; the noise floor is measured as megamoe.train.parity measures it (perturbed reruns
           of the reference) and judged by the same criteria. Writes torchtitan_parity_latest.json.
