@@ -53,6 +53,12 @@ struct PlanArrays {
     const size_t workspace = megamoe_routing_workspace_bytes(&s);
     if (on_device && workspace > 0) check_cuda(cudaMalloc(&plan.workspace, workspace), "cudaMalloc");
   }
+  PlanArrays(const PlanArrays&) = delete;
+  PlanArrays& operator=(const PlanArrays&) = delete;
+  ~PlanArrays() {
+    for (int32_t* array : device) cudaFree(array);
+    cudaFree(plan.workspace);
+  }
 
   // Every array as the host sees it.
   std::vector<std::vector<int32_t>> read() const {
@@ -117,7 +123,14 @@ int main() {
     }
     std::printf("tokens %6lld: %6.2f us per plan, %s\n", static_cast<long long>(tokens), fastest_ms * 1e3f / kBuilds,
                 matches ? "equal to the host plan" : "DIFFERS from the host plan");
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaGraphExecDestroy(replay);
+    cudaGraphDestroy(graph);
+    cudaFree(device_ids);
     if (!matches) return 1;
   }
+  cudaFreeHost(host_count);
+  cudaStreamDestroy(stream);
   return 0;
 }
