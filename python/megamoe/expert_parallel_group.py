@@ -68,7 +68,7 @@ from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm,
                    grouped_gemm_fp8, grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
-from .routing import RoutingPlan, build_routing, pool_capacity
+from .routing import RoutingPlan, build_routing, pool_capacity, routing_ids
 from .validation import IdRangeCheck, check_fused_precision
 
 _PHASES = ("dispatch", "combine")
@@ -244,7 +244,7 @@ class _Meta:
         meta = cls(ws, [s[0] for s in shapes], top_k, num_local)
         if meta.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
             return meta
-        ids_all = meta._gather_ids(ws, topk_ids.to(torch.int32).contiguous())
+        ids_all = meta._gather_ids(ws, routing_ids(topk_ids, meta.num_experts))
         meta.plan = build_routing(ids_all, meta.num_experts, ws.rank * num_local, num_local)
         meta.id_range = IdRangeCheck(meta.plan, meta.num_experts)
         ws.reserve(meta._buffer_sizes(hidden, precision, recompute, keep_z))

@@ -238,6 +238,17 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
+@requires_cuda
+@pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
+@pytest.mark.parametrize("bad_id", [4, 2**32 + 1])
+def test_group_raises_for_ids_out_of_range(world_of_one, bad_id):
+    xs, ids, weights, w13s, w2s, _ = _problem([8], 4, "cuda")
+    ids = ids[0].to(torch.int64)
+    ids[3, 1] = bad_id
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[-1, 4\) \(-1 = masked route\), got 1 ids outside"):
+        megamoe.moe(xs[0], ids, weights[0], w13s[0], w2s[0], group=world_of_one)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"backend": "grouped"}, NotImplementedError, "over a process group runs backend='fused'"),
     ({}, ValueError, "runs on CUDA tensors"),

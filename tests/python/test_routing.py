@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe.routing import PLAN_FIELDS, build_routing
+from megamoe.routing import PLAN_FIELDS, build_routing, routing_ids
 
 from conftest import requires_cuda
 
@@ -54,6 +54,16 @@ def test_invalid_ids_are_counted_and_dropped_from_the_plan():
     plan = build_routing(ids, 4)
     assert int(plan.num_invalid) == 2
     assert plan.route_to_slot.tolist() == [[0, -1], [-1, 128]]
+
+
+def test_int64_ids_beyond_int32_stay_invalid():
+    """int64 ids reach the routing kernels as int32; one that a plain cast would wrap onto expert 1
+    must still be counted as outside [-1, E)."""
+    ids = torch.tensor([[0, 2**32 + 1], [-2**32 + 1, 3], [-1, 2**40]], dtype=torch.int64)
+    narrowed = routing_ids(ids, 4)
+    assert narrowed.dtype == torch.int32 and narrowed.tolist() == [[0, 4], [-2, 3], [-1, 4]]
+    plan = build_routing(narrowed, 4)
+    assert int(plan.num_invalid) == 3
 
 
 def test_bad_plan_arguments_raise():

@@ -122,10 +122,13 @@ def test_fused_rejects_unsupported_sizes():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("bad_id", [-2, 4])
-def test_fused_raises_for_ids_out_of_range_counted_on_the_gpu(bad_id, compiled):
+# int64 ids beyond int32's range would wrap around onto expert 1 if they were cast as they are.
+@pytest.mark.parametrize("ids_dtype,bad_id", [(torch.int32, -2), (torch.int32, 4), (torch.int64, 2**32 + 1),
+                                              (torch.int64, -2**32 + 1)])
+def test_fused_raises_for_ids_out_of_range_counted_on_the_gpu(ids_dtype, bad_id, compiled):
     shape = MoEShape(hidden_size=128, intermediate_size=128, num_experts=4, top_k=2)
     inputs = list(megamoe.make_inputs(shape, 16, device="cuda"))
+    inputs[IDS] = inputs[IDS].to(ids_dtype)
     good_ids = inputs[IDS].clone()
     inputs[IDS][3, 1] = bad_id
     fn = torch.compile(megamoe.fused_moe, fullgraph=True) if compiled else megamoe.fused_moe
