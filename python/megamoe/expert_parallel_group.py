@@ -87,13 +87,15 @@ class _SharedBuffer:
     def __init__(self, nbytes: int, device: torch.device):
         self.device, self.ptr = device.index, ctypes.c_void_p()
         self.handle = ctypes.create_string_buffer(_native.IPC_HANDLE_BYTES)
+        # Held by the buffer, so a buffer collected at interpreter exit, after this module's globals, can free itself.
+        self._free = _native.library().megamoe_shared_free
         _native.check(_native.library().megamoe_shared_alloc(self.device, nbytes, ctypes.byref(self.ptr),
                                                              self.handle), "expert-parallel shared buffer")
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr.value, False),
                                          "strides": None, "stream": None, "version": 3}
 
     def __del__(self):
-        _native.library().megamoe_shared_free(self.device, self.ptr)
+        self._free(self.device, self.ptr)
 
 
 class _Workspace:
