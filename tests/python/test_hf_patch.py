@@ -304,9 +304,10 @@ def test_other_moe_family_matches_unpatched(model_type, class_name):
     tolerance = TOLERANCE[torch.float32]
     assert relative_error(got[1], want[1]) < tolerance
     assert got[0].item() == pytest.approx(want[0].item(), rel=tolerance)
-    # Each gradient's error relative to its norm, or to 1e-4 of the largest for one that cancels to
-    # rounding noise (a router whose weights' gradient is 1e-9 of it).
-    floor = 1e-4 * max(grad.norm() for grad in want[3].values() if grad is not None)
+    # Each gradient's error relative to its norm, or to 1e-3 of the largest for one so small that fp32
+    # summation order shows in it (a router whose weights' gradient cancels to 1e-9 of the largest;
+    # Qwen3.5-MoE's linear-attention A_log at 1e-4, 1.2e-5 from the unpatched model's).
+    floor = 1e-3 * max(grad.norm() for grad in want[3].values() if grad is not None)
     for name, grad in want[3].items():
         assert (got[3][name] is None) == (grad is None), name  # e.g. a sparse attention's indexer has none
         if grad is not None:
