@@ -213,6 +213,24 @@ def test_fused_replayed_from_cuda_graphs_equals_eager(precision, backend):
             assert torch.equal(got, want), name
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_runs_on_its_tensors_gpu_whichever_is_current(precision):
+    """A layer on cuda:1 while cuda:0 is current (one process, a model spread over GPUs) gives what
+    it gives with cuda:1 current, forward and backward."""
+    inputs = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 512, "skewed", device="cuda:1")
+    dy = torch.randn_like(inputs[0])
+    results = []
+    for current in (1, 0):
+        with torch.cuda.device(current):
+            x, weights, w13, w2 = (leaf(inputs[i]) for i in (0, 2, 3, 4))
+            y = megamoe.moe(x, inputs[1], weights, w13, w2, backend="fused", precision=precision)
+            y.backward(dy)
+            results.append([y] + [t.grad for t in (x, weights, w13, w2)])
+    for name, there, here in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), *results):
+        assert there.device == torch.device("cuda:1") and torch.equal(there, here), name
+
+
 @requires_cuda
 def test_fused_gradients_are_bitwise_deterministic():
     x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 1024, "skewed",
