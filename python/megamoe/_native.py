@@ -192,6 +192,20 @@ def stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def on_the_tensors_gpu(fn):
+    """fn(first, ...) with first's GPU as the current device: the core launches on the current device,
+    and a layer placed on another GPU than the current one (one process driving several GPUs, as a
+    model spread over them by device_map="auto") must run on its own."""
+    @functools.wraps(fn)
+    def on_device(first: torch.Tensor, *args, **kwargs):
+        device = first.device
+        if device.type != "cuda" or device.index == torch.cuda.current_device():
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(device):
+            return fn(first, *args, **kwargs)
+    return on_device
+
+
 def check(status: int, what: str) -> None:
     if status != MEGAMOE_OK:
         message = library().megamoe_last_error().decode(errors="replace")

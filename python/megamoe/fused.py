@@ -40,32 +40,16 @@ wide, so the backward's peak (dW13, with dz and the other gradients live) holds 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import fp8
+from . import _native, fp8
 from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
                    grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity, routing_ids
 from .validation import IdRangeCheck, check_fused_precision, is_plain_tensor, main_grad_of
-
-
-def _on_the_tensors_gpu(fn):
-    """fn(first, ...) with first's GPU as the current device: the core launches on the current device,
-    and a layer placed on another GPU than the current one (one process driving several GPUs, as a
-    model spread over them by device_map="auto") must run on its own."""
-    @functools.wraps(fn)
-    def on_device(first: torch.Tensor, *args):
-        device = first.device
-        if device.type != "cuda" or device.index == torch.cuda.current_device():
-            return fn(first, *args)
-        with torch.cuda.device(device):
-            return fn(first, *args)
-    return on_device
 
 
 def _plan(topk_ids: torch.Tensor, num_local: int, plan_buffer: torch.Tensor | None = None) -> RoutingPlan:
@@ -101,7 +85,7 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
     return routed, x_pool
 
 
-@_on_the_tensors_gpu
+@_native.on_the_tensors_gpu
 def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, activation: str, precision: str, keep: bool, keep_pool: bool, keep_plan: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,7 +143,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
     return torch.empty_like(x), x_pool, z, plan
 
 
-@_on_the_tensors_gpu
+@_native.on_the_tensors_gpu
 def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, activation: str, precision: str, x_pool: torch.Tensor,
                    z: torch.Tensor, plan: torch.Tensor, free_z: bool, need_dx: bool, need_dweights: bool,

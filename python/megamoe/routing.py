@@ -166,6 +166,7 @@ def routing_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return topk_ids.to(torch.int32).contiguous()
 
 
+@_native.on_the_tensors_gpu
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
     """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all)."""

@@ -88,6 +88,16 @@ def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
     assert bytes(device.shape) == bytes(host.shape)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_plan_is_built_on_the_ids_gpu_whichever_is_current():
+    ids, _ = megamoe.make_routing(1024, 128, 8, "skewed")
+    host = build_routing(ids, 128)
+    with torch.cuda.device(0):
+        device = build_routing(ids.to("cuda:1"), 128)
+    assert device.buffer.device == torch.device("cuda:1")
+    assert torch.equal(device.buffer.cpu(), host.buffer)
+
+
 @requires_cuda
 @pytest.mark.parametrize("tokens", [3, 9000])  # built by one CTA, and by three passes
 def test_the_cuda_plan_writes_its_count_of_invalid_ids_to_host_memory_too(tokens):
