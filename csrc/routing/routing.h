@@ -53,6 +53,16 @@ MEGAMOE_HOST_DEVICE inline bool is_invalid_id(int32_t id, const megamoe_routing_
   return id < -1 || id >= s.num_experts;
 }
 
+// A route's id as the plan reads it, from int32 or int64 ids: an int64 id outside [-1, E) becomes
+// -2 or E, so one past int32's range is counted as invalid instead of wrapping onto an expert.
+MEGAMOE_HOST_DEVICE inline int32_t plan_id(int32_t id, const megamoe_routing_shape&) { return id; }
+MEGAMOE_HOST_DEVICE inline int32_t plan_id(int64_t id, const megamoe_routing_shape& s) {
+  return id < -1 ? -2 : (id >= s.num_experts ? s.num_experts : int32_t(id));
+}
+
+// Checks the ids' element size: 4 (int32) or 8 (int64); returns MEGAMOE_OK or sets the last error.
+int check_id_bytes(int32_t id_bytes);
+
 // Checks a plan before it is built: its shape and its output pointers; returns MEGAMOE_OK or sets
 // the last error.
 int validate(const megamoe_routing_plan* plan, bool needs_workspace);

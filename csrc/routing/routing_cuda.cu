@@ -58,16 +58,17 @@ __device__ __forceinline__ int32_t* chunk_invalid_counts(int32_t* chunk_counts, 
   return chunk_counts + num_chunks(s) * s.num_local_experts;
 }
 
-// The chunk's ids, lane l holding route chunk * kRoutesPerChunk + 32 step + l in ids[step] (-1 past
-// the routes: no expert, not invalid).
-__device__ __forceinline__ void load_chunk_ids(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& s,
+// The chunk's ids (plan_id: int32 or int64 ids), lane l holding route chunk * kRoutesPerChunk + 32 step + l
+// in ids[step] (-1 past the routes: no expert, not invalid).
+template <typename Id>
+__device__ __forceinline__ void load_chunk_ids(const Id* __restrict__ topk_ids, const megamoe_routing_shape& s,
                                                int64_t chunk, int32_t (&ids)[kStepsPerChunk]) {
   const int64_t routes = num_routes(s);
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int step = 0; step < kStepsPerChunk; ++step) {
     const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
-    ids[step] = r < routes ? topk_ids[r] : -1;
+    ids[step] = r < routes ? plan_id(topk_ids[r], s) : -1;
   }
 }
 
@@ -94,7 +95,8 @@ __device__ __forceinline__ void reset_pool(const megamoe_routing_plan& plan, int
 
 // The warp's count of its chunk's routes per local expert, into counts (shared memory, one int32 per
 // expert); returns the chunk's invalid ids (every lane).
-__device__ int32_t count_chunk(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& shape,
+template <typename Id>
+__device__ int32_t count_chunk(const Id* __restrict__ topk_ids, const megamoe_routing_shape& shape,
                                int64_t chunk, int32_t* counts) {
   const int lane = threadIdx.x % 32;
   for (int32_t e = lane; e < shape.num_local_experts; e += 32) counts[e] = 0;
@@ -112,7 +114,8 @@ __device__ int32_t count_chunk(const int32_t* __restrict__ topk_ids, const megam
   return __reduce_add_sync(0xffffffffu, invalid);
 }
 
-__global__ void count_chunks(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+template <typename Id>
+__global__ void count_chunks(const Id* __restrict__ topk_ids, megamoe_routing_shape shape,
                              int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan, int64_t capacity) {
   extern __shared__ int32_t shared_counters[];
   reset_pool(plan, capacity, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
@@ -230,7 +233,8 @@ scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts, meg
 
 // The warp walks its chunk in route order and hands out pool slots: next_slot (shared memory, one
 // int32 per local expert) holds the chunk's base within each expert on entry.
-__device__ void assign_chunk(const int32_t* __restrict__ topk_ids, const megamoe_routing_shape& shape, int64_t chunk,
+template <typename Id>
+__device__ void assign_chunk(const Id* __restrict__ topk_ids, const megamoe_routing_shape& shape, int64_t chunk,
                              int32_t* next_slot, const megamoe_routing_plan& plan) {
   const int lane = threadIdx.x % 32;
   for (int32_t e = lane; e < shape.num_local_experts; e += 32) next_slot[e] += plan.expert_offsets[e];
@@ -259,7 +263,8 @@ __device__ void assign_chunk(const int32_t* __restrict__ topk_ids, const megamoe
   }
 }
 
-__global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape,
+template <typename Id>
+__global__ void assign_slots(const Id* __restrict__ topk_ids, megamoe_routing_shape shape,
                              const int32_t* __restrict__ chunk_bases, megamoe_routing_plan plan) {
   extern __shared__ int32_t shared_counters[];
   const auto [chunk, next_slot] = warp_chunk(shared_counters, shape);
@@ -272,8 +277,9 @@ __global__ void assign_slots(const int32_t* __restrict__ topk_ids, megamoe_routi
 
 // The three passes in one CTA of kScanThreads (builds_in_one_cta): warp w counts and assigns chunk
 // w; the chunk counters are the dynamic shared memory, in the workspace's layout.
+template <typename Id>
 __global__ void __launch_bounds__(kScanThreads)
-build_in_one_cta(const int32_t* __restrict__ topk_ids, megamoe_routing_shape shape, megamoe_routing_plan plan,
+build_in_one_cta(const Id* __restrict__ topk_ids, megamoe_routing_shape shape, megamoe_routing_plan plan,
                  int64_t capacity) {
   extern __shared__ int32_t chunk_counts[];
   reset_pool(plan, capacity, threadIdx.x, blockDim.x);
@@ -296,6 +302,7 @@ struct ChunkLaunch {
   size_t shared_bytes;
 };
 
+template <typename Id>
 int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
   int device = 0, optin = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -309,11 +316,42 @@ int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
   }
   *launch = {warps, size_t(warps) * per_warp};
   if (launch->shared_bytes > 48 * 1024) {  // above the default limit: opt in
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(count_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(count_chunks<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       int(launch->shared_bytes)));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(assign_slots, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(assign_slots<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       int(launch->shared_bytes)));
   }
+  return MEGAMOE_OK;
+}
+
+// The plan's launches for ids of type Id (plan->shape and its pointers validated).
+template <typename Id>
+int build(const Id* topk_ids, const megamoe_routing_plan& plan, cudaStream_t stream) {
+  const auto& s = plan.shape;
+  if (builds_in_one_cta(s)) {
+    const int counter_bytes = int(chunk_counter_bytes(s));
+    if (counter_bytes > kOneCtaDefaultCounterBytes) {  // past the default limit beside the scan's own
+      MEGAMOE_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(build_in_one_cta<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, counter_bytes));
+    }
+    build_in_one_cta<<<1, kScanThreads, counter_bytes, stream>>>(topk_ids, s, plan, megamoe_routing_capacity(&s));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return MEGAMOE_OK;
+  }
+  auto* chunk_counts = static_cast<int32_t*>(plan.workspace);
+  const int64_t chunks = num_chunks(s);
+  ChunkLaunch launch{};
+  MEGAMOE_RETURN_IF_ERROR(chunk_launch<Id>(s, &launch));
+  const int grid = int(ceil_div(chunks, launch.warps_per_cta));
+  const int threads = launch.warps_per_cta * 32;
+
+  count_chunks<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, plan,
+                                                               megamoe_routing_capacity(&s));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, plan);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  assign_slots<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, plan);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
 
@@ -322,36 +360,13 @@ int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
 
 using namespace megamoe::routing;
 
-extern "C" int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_plan* plan,
+extern "C" int megamoe_build_routing_cuda(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan,
                                           void* stream_handle) {
   if (plan == nullptr) return megamoe::invalid_argument("routing: null plan");
-  const auto& s = plan->shape;
-  const bool one_cta = builds_in_one_cta(s);
-  MEGAMOE_RETURN_IF_ERROR(validate(plan, !one_cta));
+  MEGAMOE_RETURN_IF_ERROR(validate(plan, !builds_in_one_cta(plan->shape)));
+  MEGAMOE_RETURN_IF_ERROR(check_id_bytes(id_bytes));
+  if (num_routes(plan->shape) > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  if (one_cta) {
-    const int counter_bytes = int(chunk_counter_bytes(s));
-    if (counter_bytes > kOneCtaDefaultCounterBytes) {  // past the default limit beside the scan's own
-      MEGAMOE_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(build_in_one_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, counter_bytes));
-    }
-    build_in_one_cta<<<1, kScanThreads, counter_bytes, stream>>>(topk_ids, s, *plan, megamoe_routing_capacity(&s));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return MEGAMOE_OK;
-  }
-  auto* chunk_counts = static_cast<int32_t*>(plan->workspace);
-  const int64_t chunks = num_chunks(s);
-  ChunkLaunch launch{};
-  MEGAMOE_RETURN_IF_ERROR(chunk_launch(s, &launch));
-  const int grid = int(ceil_div(chunks, launch.warps_per_cta));
-  const int threads = launch.warps_per_cta * 32;
-
-  count_chunks<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan,
-                                                               megamoe_routing_capacity(&s));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  scan_chunks<<<1, kScanThreads, 0, stream>>>(s, chunk_counts, *plan);
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  assign_slots<<<grid, threads, launch.shared_bytes, stream>>>(topk_ids, s, chunk_counts, *plan);
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return MEGAMOE_OK;
+  if (id_bytes == 8) return build(static_cast<const int64_t*>(topk_ids), *plan, stream);
+  return build(static_cast<const int32_t*>(topk_ids), *plan, stream);
 }

@@ -27,11 +27,58 @@ int check_shape(const std::string& fn, const megamoe_routing_shape& s) {
   return MEGAMOE_OK;
 }
 
+// The plan as the C API defines it, for int32 or int64 ids.
+template <typename Id>
+void build_host(const Id* topk_ids, const megamoe_routing_plan* plan) {
+  const auto& s = plan->shape;
+  const int64_t routes = num_routes(s);
+  std::vector<int32_t> counts(s.num_local_experts, 0);
+  int32_t invalid = 0;
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t id = plan_id(topk_ids[r], s);
+    invalid += is_invalid_id(id, s);
+    const int32_t e = local_expert(id, s);
+    if (e >= 0) ++counts[e];
+  }
+
+  int32_t blocks = 0, routed = 0;
+  for (int32_t e = 0; e < s.num_local_experts; ++e) {
+    plan->expert_counts[e] = counts[e];
+    plan->expert_offsets[e] = blocks * kBlockM;
+    plan->compact_offsets[e] = routed;
+    routed += counts[e];
+    const int32_t expert_blocks = int32_t(ceil_div(counts[e], kBlockM));
+    for (int32_t b = 0; b < expert_blocks; ++b) plan->block_expert[blocks + b] = e;
+    blocks += expert_blocks;
+  }
+  plan->expert_offsets[s.num_local_experts] = blocks * kBlockM;
+  plan->compact_offsets[s.num_local_experts] = routed;
+  std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(&s), -1);
+  std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(&s), -1);
+  *plan->num_blocks = blocks;
+  *plan->num_invalid = invalid;
+  if (plan->num_invalid_host != nullptr) *plan->num_invalid_host = invalid;
+
+  std::vector<int32_t> next(plan->expert_offsets, plan->expert_offsets + s.num_local_experts);
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t e = local_expert(plan_id(topk_ids[r], s), s);
+    const int32_t slot = e >= 0 ? next[e]++ : -1;
+    plan->route_to_slot[r] = slot;
+    if (slot >= 0) plan->slot_to_route[slot] = int32_t(r);
+  }
+}
+
 }  // namespace
 
 int check_plan(const std::string& fn, const megamoe_routing_plan* plan) {
   if (plan == nullptr) return invalid_argument(fn + "plan must be non-null (a routing plan)");
   return check_shape(fn + "plan.shape: ", plan->shape);
+}
+
+int check_id_bytes(int32_t id_bytes) {
+  if (id_bytes == 4 || id_bytes == 8) return MEGAMOE_OK;
+  return invalid_argument("routing: id_bytes must be 4 (int32 topk_ids) or 8 (int64), got " +
+                          std::to_string(id_bytes));
 }
 
 int validate(const megamoe_routing_plan* plan, bool needs_workspace) {
@@ -58,44 +105,14 @@ extern "C" int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape
   return megamoe_routing_capacity(shape) / kBlockM;
 }
 
-extern "C" int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_plan* plan) {
+extern "C" int megamoe_build_routing_host(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan) {
   MEGAMOE_RETURN_IF_ERROR(validate(plan, false));
-  const auto& s = plan->shape;
-  const int64_t routes = num_routes(s);
-  if (routes > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
-
-  std::vector<int32_t> counts(s.num_local_experts, 0);
-  int32_t invalid = 0;
-  for (int64_t r = 0; r < routes; ++r) {
-    invalid += is_invalid_id(topk_ids[r], s);
-    const int32_t e = local_expert(topk_ids[r], s);
-    if (e >= 0) ++counts[e];
-  }
-
-  int32_t blocks = 0, routed = 0;
-  for (int32_t e = 0; e < s.num_local_experts; ++e) {
-    plan->expert_counts[e] = counts[e];
-    plan->expert_offsets[e] = blocks * kBlockM;
-    plan->compact_offsets[e] = routed;
-    routed += counts[e];
-    const int32_t expert_blocks = int32_t(ceil_div(counts[e], kBlockM));
-    for (int32_t b = 0; b < expert_blocks; ++b) plan->block_expert[blocks + b] = e;
-    blocks += expert_blocks;
-  }
-  plan->expert_offsets[s.num_local_experts] = blocks * kBlockM;
-  plan->compact_offsets[s.num_local_experts] = routed;
-  std::fill(plan->block_expert + blocks, plan->block_expert + megamoe_routing_max_blocks(&s), -1);
-  std::fill(plan->slot_to_route, plan->slot_to_route + megamoe_routing_capacity(&s), -1);
-  *plan->num_blocks = blocks;
-  *plan->num_invalid = invalid;
-  if (plan->num_invalid_host != nullptr) *plan->num_invalid_host = invalid;
-
-  std::vector<int32_t> next(plan->expert_offsets, plan->expert_offsets + s.num_local_experts);
-  for (int64_t r = 0; r < routes; ++r) {
-    const int32_t e = local_expert(topk_ids[r], s);
-    const int32_t slot = e >= 0 ? next[e]++ : -1;
-    plan->route_to_slot[r] = slot;
-    if (slot >= 0) plan->slot_to_route[slot] = int32_t(r);
+  MEGAMOE_RETURN_IF_ERROR(check_id_bytes(id_bytes));
+  if (num_routes(plan->shape) > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
+  if (id_bytes == 8) {
+    build_host(static_cast<const int64_t*>(topk_ids), plan);
+  } else {
+    build_host(static_cast<const int32_t*>(topk_ids), plan);
   }
   return MEGAMOE_OK;
 }

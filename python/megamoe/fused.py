@@ -48,14 +48,14 @@ from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
                    grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
-from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity, routing_ids
+from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision, is_plain_tensor, main_grad_of
 
 
 def _plan(topk_ids: torch.Tensor, num_local: int, plan_buffer: torch.Tensor | None = None) -> RoutingPlan:
     """The routing plan: the forward's (plan_buffer, RoutingPlan.buffer), or built."""
     if plan_buffer is None:
-        return build_routing(routing_ids(topk_ids, num_local), num_local)
+        return build_routing(topk_ids.contiguous(), num_local)
     return RoutingPlan.from_buffer(plan_buffer, topk_ids.shape[0], topk_ids.shape[1], num_local)
 
 

@@ -158,9 +158,9 @@ def _workspace_bytes(num_tokens: int, top_k: int, num_experts: int, expert_begin
 
 
 def routing_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_ids [T, K] as the routing kernels read them: contiguous int32. int64 ids are clamped to
-    [-2, num_experts] first, so one outside int32's range is still outside [-1, E) and counted as
-    invalid (plan.num_invalid) instead of wrapping around onto an expert."""
+    """topk_ids [T, K] as contiguous int32, for buffers of int32 ids (the expert-parallel exchange). int64
+    ids are clamped to [-2, num_experts] first, so one outside int32's range is still outside [-1, E)
+    and counted as invalid (plan.num_invalid) instead of wrapping around onto an expert."""
     if topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.clamp(-2, num_experts)
     return topk_ids.to(torch.int32).contiguous()
@@ -169,9 +169,10 @@ def routing_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 @_native.on_the_tensors_gpu
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
-    """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all)."""
-    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or not topk_ids.is_contiguous():
-        raise ValueError("topk_ids must be a contiguous int32 tensor [T, K], got "
+    """Plan for the experts [expert_begin, expert_begin + num_local_experts) (default: all), from
+    int32 or int64 ids (an int64 id past int32's range is counted in num_invalid like any other)."""
+    if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.dim() != 2 or not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be a contiguous int32 or int64 tensor [T, K], got "
                          f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
     num_local = num_experts - expert_begin if num_local_experts is None else num_local_experts
     local = max(num_local, 0)  # the library rejects a bad shape below, with its message
@@ -189,8 +190,9 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
         if not torch.cuda.is_current_stream_capturing():  # a replayed graph would write a slot since reused
             plan.num_invalid_host = _host_count_slot(device)
             native.num_invalid_host = ctypes.addressof(plan.num_invalid_host)
-        _native.call("megamoe_build_routing_cuda", "build_routing", topk_ids.data_ptr(), native,
-                     _native.stream(device))
+        _native.call("megamoe_build_routing_cuda", "build_routing", topk_ids.data_ptr(), topk_ids.element_size(),
+                     native, _native.stream(device))
     else:
-        _native.call("megamoe_build_routing_host", "build_routing", topk_ids.data_ptr(), plan.native())
+        _native.call("megamoe_build_routing_host", "build_routing", topk_ids.data_ptr(), topk_ids.element_size(),
+                     plan.native())
     return plan

@@ -95,16 +95,16 @@ int main() {
     check_cuda(cudaMemcpy(device_ids, ids.data(), ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
     PlanArrays on_device(shape, true), on_host(shape, false);
     on_device.plan.num_invalid_host = host_count;
-    check_megamoe(megamoe_build_routing_cuda(device_ids, &on_device.plan, stream), "build_routing_cuda");
+    check_megamoe(megamoe_build_routing_cuda(device_ids, 4, &on_device.plan, stream), "build_routing_cuda");
     check_cuda(cudaStreamSynchronize(stream), "build");
-    check_megamoe(megamoe_build_routing_host(ids.data(), &on_host.plan), "build_routing_host");
+    check_megamoe(megamoe_build_routing_host(ids.data(), 4, &on_host.plan), "build_routing_host");
     const bool matches = on_device.read() == on_host.read();
 
     cudaGraph_t graph;
     cudaGraphExec_t replay;
     check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
     for (int i = 0; i < kBuilds; ++i) {
-      check_megamoe(megamoe_build_routing_cuda(device_ids, &on_device.plan, stream), "build_routing_cuda");
+      check_megamoe(megamoe_build_routing_cuda(device_ids, 4, &on_device.plan, stream), "build_routing_cuda");
     }
     check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
     check_cuda(cudaGraphInstantiate(&replay, graph, 0), "instantiate");

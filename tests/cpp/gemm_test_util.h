@@ -125,7 +125,7 @@ struct DevicePlan {
 inline Plan build_plan(const std::vector<int32_t>& ids, DevicePlan& d) {
   DeviceBuffer<int32_t> ids_dev(ids.size());
   ids_dev.upload(ids);
-  EXPECT_EQ(megamoe_build_routing_cuda(ids_dev.ptr, &d.plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  EXPECT_EQ(megamoe_build_routing_cuda(ids_dev.ptr, 4, &d.plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   Plan p;
   p.counts = d.counts.download();

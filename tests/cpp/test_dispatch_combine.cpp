@@ -86,7 +86,7 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   int32_t num_blocks = 0, num_invalid = 0;
   megamoe_routing_plan host_plan{counts.data(),       offsets.data(), compact_offsets.data(), route_to_slot.data(),
                                  slot_to_route.data(), block_expert.data(), &num_blocks, &num_invalid, nullptr, shape};
-  ASSERT_EQ(megamoe_build_routing_host(p.ids.data(), &host_plan), MEGAMOE_OK);
+  ASSERT_EQ(megamoe_build_routing_host(p.ids.data(), 4, &host_plan), MEGAMOE_OK);
 
   // The arrays dispatch and combine read, on the device.
   megamoe_routing_plan plan{};

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -140,13 +142,28 @@ void expect_valid_plan(const Case& c, const HostPlan& p) {
 
 class RoutingTest : public ::testing::TestWithParam<Case> {};
 
+std::vector<int64_t> widened(const std::vector<int32_t>& ids) { return {ids.begin(), ids.end()}; }
+
+void expect_same_plan(const HostPlan& a, const HostPlan& b) {
+  EXPECT_EQ(a.counts, b.counts);
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.compact_offsets, b.compact_offsets);
+  EXPECT_EQ(a.route_to_slot, b.route_to_slot);
+  EXPECT_EQ(a.slot_to_route, b.slot_to_route);
+  EXPECT_EQ(a.block_expert, b.block_expert);
+  EXPECT_EQ(a.num_blocks, b.num_blocks);
+  EXPECT_EQ(a.num_invalid, b.num_invalid);
+}
+
 TEST_P(RoutingTest, HostPlanMatchesDefinition) {
   const Case& c = GetParam();
-  HostPlan plan(c.shape);
-  auto view = plan.view();
-  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &view), MEGAMOE_OK)
-      << megamoe_last_error();
+  HostPlan plan(c.shape), from_int64(c.shape);
+  auto view = plan.view(), int64_view = from_int64.view();
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), 4, &view), MEGAMOE_OK) << megamoe_last_error();
   expect_valid_plan(c, plan);
+  const auto ids64 = widened(c.ids);
+  ASSERT_EQ(megamoe_build_routing_host(ids64.data(), 8, &int64_view), MEGAMOE_OK) << megamoe_last_error();
+  expect_same_plan(from_int64, plan);
 }
 
 template <typename T>
@@ -165,26 +182,23 @@ struct DeviceBuffer {
   }
 };
 
-TEST_P(RoutingTest, CudaPlanMatchesHost) {
-  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
-  const Case& c = GetParam();
-  const auto& s = c.shape;
-  HostPlan expected(s);
-  auto expected_view = expected.view();
-  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), &expected_view), MEGAMOE_OK);
-
-  DeviceBuffer<int32_t> ids(c.ids.size()), counts(s.num_local_experts),
-      offsets(s.num_local_experts + 1), compact_offsets(s.num_local_experts + 1), route_to_slot(c.ids.size()),
-      slot_to_route(megamoe_routing_capacity(&s)), block_expert(megamoe_routing_max_blocks(&s)),
-      scalars(2);
+// The CUDA plan of `ids` (int32 or int64, as the host holds them) against the host plan `expected`.
+template <typename Id>
+void expect_cuda_plan(const megamoe_routing_shape& s, const std::vector<Id>& host_ids, const HostPlan& expected) {
+  DeviceBuffer<Id> ids(host_ids.size());
+  DeviceBuffer<int32_t> counts(s.num_local_experts), offsets(s.num_local_experts + 1),
+      compact_offsets(s.num_local_experts + 1), route_to_slot(host_ids.size()),
+      slot_to_route(megamoe_routing_capacity(&s)), block_expert(megamoe_routing_max_blocks(&s)), scalars(2);
   DeviceBuffer<char> workspace(megamoe_routing_workspace_bytes(&s));
-  if (!c.ids.empty()) {
-    ASSERT_EQ(cudaMemcpy(ids.ptr, c.ids.data(), c.ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  if (!host_ids.empty()) {
+    ASSERT_EQ(cudaMemcpy(ids.ptr, host_ids.data(), host_ids.size() * sizeof(Id), cudaMemcpyHostToDevice),
+              cudaSuccess);
   }
   megamoe_routing_plan plan{counts.ptr,       offsets.ptr,      compact_offsets.ptr, route_to_slot.ptr,
                             slot_to_route.ptr, block_expert.ptr, scalars.ptr,         scalars.ptr + 1,
                             workspace.ptr,     s};
-  ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, &plan, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  ASSERT_EQ(megamoe_build_routing_cuda(ids.ptr, int32_t(sizeof(Id)), &plan, nullptr), MEGAMOE_OK)
+      << megamoe_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   EXPECT_EQ(counts.to_host(), expected.counts);
@@ -198,8 +212,40 @@ TEST_P(RoutingTest, CudaPlanMatchesHost) {
   EXPECT_EQ(both[1], expected.num_invalid);
 }
 
+TEST_P(RoutingTest, CudaPlanMatchesHost) {
+  if (cuda_devices() == 0) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  HostPlan expected(c.shape);
+  auto expected_view = expected.view();
+  ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), 4, &expected_view), MEGAMOE_OK);
+  expect_cuda_plan(c.shape, c.ids, expected);
+  expect_cuda_plan(c.shape, widened(c.ids), expected);
+}
+
 INSTANTIATE_TEST_SUITE_P(Routings, RoutingTest, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
+
+// int64 ids outside [-1, E), past int32's range included, are counted as invalid, never narrowed onto
+// an expert: the plan is the one of int32 ids with -2 in their place. In one CTA and in three launches.
+TEST(RoutingInt64Ids, OutOfRangeIdsAreCountedNotWrapped) {
+  const int64_t two_to_32 = int64_t(1) << 32;
+  const int64_t far[] = {two_to_32 + 1, -two_to_32 + 1, two_to_32 * 3, INT64_MAX, INT64_MIN, 16, -2};
+  for (const int64_t tokens : {200, 3000}) {
+    Case c = make_case("int64", tokens, 4, 16, 0, 16, 0.1, 0.05, 17);
+    std::vector<int64_t> ids64 = widened(c.ids);
+    for (size_t i = 0; i < std::size(far); ++i) {
+      ids64[7 + 97 * i] = far[i];
+      c.ids[7 + 97 * i] = -2;
+    }
+    HostPlan expected(c.shape), from_int64(c.shape);
+    auto expected_view = expected.view(), int64_view = from_int64.view();
+    ASSERT_EQ(megamoe_build_routing_host(c.ids.data(), 4, &expected_view), MEGAMOE_OK);
+    ASSERT_EQ(megamoe_build_routing_host(ids64.data(), 8, &int64_view), MEGAMOE_OK) << megamoe_last_error();
+    EXPECT_EQ(expected.num_invalid, int32_t(std::size(far)));
+    expect_same_plan(from_int64, expected);
+    if (cuda_devices() > 0) expect_cuda_plan(c.shape, ids64, expected);
+  }
+}
 
 TEST(RoutingValidation, RejectsBadShapes) {
   std::vector<int32_t> buf(4096, 0);
@@ -220,23 +266,37 @@ TEST(RoutingValidation, RejectsBadShapes) {
   // The shape is checked before any CUDA call, so the CUDA plan rejects them without a GPU too.
   for (const auto& b : bad) {
     plan.shape = b.shape;
-    expect_rejected(megamoe_build_routing_host(buf.data(), &plan), b.message);
-    expect_rejected(megamoe_build_routing_cuda(buf.data(), &plan, nullptr), b.message);
+    expect_rejected(megamoe_build_routing_host(buf.data(), 4, &plan), b.message);
+    expect_rejected(megamoe_build_routing_cuda(buf.data(), 4, &plan, nullptr), b.message);
   }
+}
+
+TEST(RoutingValidation, RejectsIdsOtherThanInt32OrInt64) {
+  std::vector<int32_t> buf(4096, 0);
+  int32_t scalar[2];
+  megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
+                            scalar,     scalar + 1, buf.data(), {4, 8, 16, 0, 16}};
+  // Checked before any CUDA call, so without a GPU too.
+  for (const int32_t id_bytes : {0, 2, 16}) {
+    expect_rejected(megamoe_build_routing_host(buf.data(), id_bytes, &plan), "id_bytes must be 4");
+    expect_rejected(megamoe_build_routing_cuda(buf.data(), id_bytes, &plan, nullptr), "id_bytes must be 4");
+  }
+  expect_rejected(megamoe_build_routing_host(nullptr, 4, &plan), "topk_ids is null");
+  expect_rejected(megamoe_build_routing_cuda(nullptr, 8, &plan, nullptr), "topk_ids is null");
 }
 
 TEST(RoutingValidation, RejectsNullPlan) {
   const int32_t ids[8] = {};
-  expect_rejected(megamoe_build_routing_host(ids, nullptr), "routing: null plan");
-  expect_rejected(megamoe_build_routing_cuda(ids, nullptr, nullptr), "routing: null plan");
+  expect_rejected(megamoe_build_routing_host(ids, 4, nullptr), "routing: null plan");
+  expect_rejected(megamoe_build_routing_cuda(ids, 4, nullptr, nullptr), "routing: null plan");
   std::vector<int32_t> buf(4096, 0);
   int32_t scalar[2];
   megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), nullptr,
                             scalar,     scalar + 1, nullptr,    {4, 8, 16, 0, 16}};
-  expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
+  expect_rejected(megamoe_build_routing_host(ids, 4, &plan), "a plan output pointer is null");
   plan.slot_to_route = buf.data();
   plan.compact_offsets = nullptr;
-  expect_rejected(megamoe_build_routing_host(ids, &plan), "a plan output pointer is null");
+  expect_rejected(megamoe_build_routing_host(ids, 4, &plan), "a plan output pointer is null");
 }
 
 TEST(RoutingValidation, WorkspaceOnlyPastOneCta) {
@@ -250,7 +310,7 @@ TEST(RoutingValidation, WorkspaceOnlyPastOneCta) {
   int32_t scalar[2];
   megamoe_routing_plan plan{buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
                             scalar,     scalar + 1, nullptr,    more_chunks};
-  expect_rejected(megamoe_build_routing_cuda(buf.data(), &plan, nullptr), "a plan output pointer is null");
+  expect_rejected(megamoe_build_routing_cuda(buf.data(), 4, &plan, nullptr), "a plan output pointer is null");
 }
 
 TEST(RoutingValidation, CapacityBoundsEveryRouting) {

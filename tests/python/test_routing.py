@@ -56,22 +56,43 @@ def test_invalid_ids_are_counted_and_dropped_from_the_plan():
     assert plan.route_to_slot.tolist() == [[0, -1], [-1, 128]]
 
 
+FAR_INT64_IDS = [[0, 2**32 + 1], [-2**32 + 1, 3], [-1, 2**40], [2**63 - 1, -2**63]]  # 2**32 + 1 wraps onto 1
+
+
 def test_int64_ids_beyond_int32_stay_invalid():
-    """int64 ids reach the routing kernels as int32; one that a plain cast would wrap onto expert 1
-    must still be counted as outside [-1, E)."""
-    ids = torch.tensor([[0, 2**32 + 1], [-2**32 + 1, 3], [-1, 2**40]], dtype=torch.int64)
+    """The plan reads int64 ids as they are: one that a cast to int32 would wrap onto an expert is
+    counted as outside [-1, E), as routing_ids keeps it when it narrows them."""
+    ids = torch.tensor(FAR_INT64_IDS, dtype=torch.int64)
+    plan = build_routing(ids, 4)
+    assert int(plan.num_invalid) == 5
+    assert plan.route_to_slot.tolist() == [[0, -1], [-1, 128], [-1, -1], [-1, -1]]
     narrowed = routing_ids(ids, 4)
-    assert narrowed.dtype == torch.int32 and narrowed.tolist() == [[0, 4], [-2, 3], [-1, 4]]
-    plan = build_routing(narrowed, 4)
-    assert int(plan.num_invalid) == 3
+    assert narrowed.dtype == torch.int32 and narrowed.tolist() == [[0, 4], [-2, 3], [-1, 4], [4, -2]]
+    assert torch.equal(build_routing(narrowed, 4).buffer, plan.buffer)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [3, 9000])  # built by one CTA, and by three passes
+def test_cuda_plan_of_int64_ids_equals_host_plan(tokens):
+    ids, _ = megamoe.make_routing(tokens, 128, 8, "skewed")
+    ids = ids.long()
+    ids[:len(FAR_INT64_IDS), :2] = torch.tensor(FAR_INT64_IDS)[:tokens]
+    host = build_routing(ids, 128)
+    device = build_routing(ids.cuda(), 128)
+    assert torch.equal(device.buffer.cpu(), host.buffer)
+    assert torch.equal(host.buffer, build_routing(routing_ids(ids, 128), 128).buffer)
+    torch.cuda.synchronize()
+    assert device.num_invalid_host.value == int(host.num_invalid) == int(((ids < -1) | (ids >= 128)).sum())
 
 
 def test_bad_plan_arguments_raise():
     ids = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"must lie inside \[0, 4\)"):
         build_routing(ids, 4, expert_begin=2, num_local_experts=4)
-    with pytest.raises(ValueError, match="contiguous int32"):
-        build_routing(ids.long(), 4)
+    with pytest.raises(ValueError, match="contiguous int32 or int64"):
+        build_routing(ids.short(), 4)
+    with pytest.raises(ValueError, match="contiguous int32 or int64"):
+        build_routing(ids.long().t(), 4)
 
 
 @requires_cuda

@@ -55,11 +55,13 @@ int64_t megamoe_routing_capacity(const megamoe_routing_shape* shape);
 int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape);
 size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape);
 
+// topk_ids holds int32 (id_bytes 4) or int64 (id_bytes 8) ids; an int64 id outside [-1, E) is
+// counted in num_invalid like any other, never narrowed onto an expert.
 // GPU plan for plan->shape, enqueued on `stream` (a cudaStream_t); does not synchronise.
-int megamoe_build_routing_cuda(const int32_t* topk_ids, const megamoe_routing_plan* plan, void* stream);
+int megamoe_build_routing_cuda(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan, void* stream);
 
 // Host reference with the same outputs (plan->workspace is unused).
-int megamoe_build_routing_host(const int32_t* topk_ids, const megamoe_routing_plan* plan);
+int megamoe_build_routing_host(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan);
 
 // ---------------------------------------------------------------------------------------------
 // Every entry point below that works on a pool takes the routing plan it was built from (device
