@@ -72,6 +72,23 @@ def test_bench_with_main_grad_gives_the_weights_fp32_buffers_and_records_it(tmp_
     assert [(g.dtype, tuple(g.shape)) for g in seen] == [(torch.float32, shape) for shape in shapes]
 
 
+def test_bench_with_int64_ids_times_them_and_records_it(tmp_path, monkeypatch):
+    """--ids int64: the backends get topk_ids as torch.topk gives them, and the JSON's settings say so."""
+    from megamoe.bench import runner
+
+    seen = []
+    operand_sets = runner._operand_sets
+
+    def recording(*args):
+        sets = operand_sets(*args)
+        seen.extend(s.topk_ids.dtype for s in sets)
+        return sets
+    monkeypatch.setattr(runner, "_operand_sets", recording)
+    assert main([*SMOKE, "--backends", "grouped", "--modes", "fwd", "--ids", "int64", "--out", str(tmp_path)]) == 0
+    assert read_results(tmp_path)["settings"]["ids"] == "int64"
+    assert seen and set(seen) == {torch.int64}
+
+
 class FakeClock:
     """time.perf_counter for megamoe.bench.timing on the CPU: calls advance it by what they say they
     take, so the warm-up and repeat counts do not depend on how busy the machine is."""

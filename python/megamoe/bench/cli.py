@@ -47,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="give w13 and w2 fp32 main_grad buffers (the Megatron-LM convention): the fused "
                              "backward adds the weight gradients into them instead of writing a bf16 .grad; "
                              "the other backends ignore them")
+    parser.add_argument("--ids", choices=("int32", "int64"), default="int32",
+                        help="topk_ids' dtype (int64: as torch.topk gives them to MoELayer and most routers)")
     Budget.add_arguments(parser, warmup=5)
     add_out_argument(parser)
     parser.add_argument("--plot", action="store_true", help="also write a PNG chart next to the JSON")
@@ -81,13 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 modes=[m for m in MODES if m in args.modes],  # fwd first, so fwdbwd's memory figure is kept
                 budget=budget,
                 skewed_tokens=list(dict.fromkeys(args.skewed_tokens)),
-                main_grad=args.main_grad)
+                main_grad=args.main_grad,
+                id_dtype=getattr(torch, args.ids))
 
     peaks = measure_peaks(device, budget)
     records = run_plan(plan, device)
     fill_derived(records, peaks.bf16_tflops)
     settings = {"device": args.device, "warmup": args.warmup, "warmup_s": args.warmup_seconds, "repeat": args.repeat,
-                "budget_s": args.budget, "main_grad": args.main_grad}
+                "budget_s": args.budget, "main_grad": args.main_grad, "ids": args.ids}
     result = build_result(records, peaks, device.name(), argv, settings)
     paths = write_json(result, args.out)
     print_table(result)

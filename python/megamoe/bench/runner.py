@@ -60,6 +60,7 @@ class Plan:
     budget: Budget
     skewed_tokens: Sequence[int] = ()  # those of `tokens` also measured with skewed routing
     main_grad: bool = False  # w13 and w2 get fp32 main_grad buffers (fused adds its weight gradients there)
+    id_dtype: torch.dtype = torch.int32  # topk_ids' dtype
 
     def cases(self) -> list[tuple[int, str]]:
         """(tokens, routing) pairs in the order they run."""
@@ -83,7 +84,7 @@ def _run_plan(plan: Plan, device: Device) -> list[Record]:
         _describe(progress, f"{preset}: generating inputs")
         x_all, w13, w2 = _preset_inputs(shape, max(t for t, _ in plan.cases()), device.device, plan.main_grad)
         for tokens, routing in plan.cases():
-            sets = _operand_sets(shape, tokens, routing, x_all, w13, w2)
+            sets = _operand_sets(shape, tokens, routing, x_all, w13, w2, plan.id_dtype)
             dy = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(DY_SEED))
             dy = dy.to(device.device, torch.bfloat16)
             for precision, name in itertools.product(plan.precisions, plan.backends):
@@ -117,14 +118,14 @@ def _preset_inputs(shape: MoEShape, max_tokens: int, device: torch.device, main_
 
 
 def _operand_sets(shape: MoEShape, tokens: int, routing: str, x_all: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> list[Operands]:
+                  w2: torch.Tensor, id_dtype: torch.dtype = torch.int32) -> list[Operands]:
     max_tokens = x_all.shape[0] // INPUT_SETS
     sets = []
     for seed in range(INPUT_SETS):
         x = x_all[seed * max_tokens:][:tokens].detach().requires_grad_()
         ids, weights = make_routing(tokens, shape.num_experts, shape.top_k, routing, device=x.device,
                                     generator=torch.Generator().manual_seed(seed))
-        sets.append(Operands(x, ids, weights.requires_grad_(), w13, w2))
+        sets.append(Operands(x, ids.to(id_dtype), weights.requires_grad_(), w13, w2))
     return sets
 
 
