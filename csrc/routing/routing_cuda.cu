@@ -65,11 +65,16 @@ __device__ __forceinline__ void load_chunk_ids(const Id* __restrict__ topk_ids, 
                                                int64_t chunk, int32_t (&ids)[kStepsPerChunk]) {
   const int64_t routes = num_routes(s);
   const int lane = threadIdx.x % 32;
+  // Every load is issued before any id is narrowed: narrowing an int64 id as it arrives would wait
+  // for each load in turn.
+  Id raw[kStepsPerChunk];
 #pragma unroll
   for (int step = 0; step < kStepsPerChunk; ++step) {
     const int64_t r = chunk * kRoutesPerChunk + step * 32 + lane;
-    ids[step] = r < routes ? plan_id(topk_ids[r], s) : -1;
+    raw[step] = r < routes ? topk_ids[r] : Id(-1);
   }
+#pragma unroll
+  for (int step = 0; step < kStepsPerChunk; ++step) ids[step] = plan_id(raw[step], s);
 }
 
 // This warp's chunk (a warp per chunk, blockDim.x / 32 warps per CTA) and its counters in the

@@ -1,7 +1,7 @@
 // How long does the GPU routing plan take at the Qwen3-30B-A3B routing (128 experts, top-8, each token's
-// experts distinct and uniform) for 256 to 16384 tokens? Each plan is checked against the host plan,
-// then 200 builds captured in one CUDA graph are replayed six times and the fastest replay gives the
-// time per build (the launch included, as in a layer's stream of kernels).
+// experts distinct and uniform) for 256 to 16384 tokens, from int32 and from int64 ids? Each plan is
+// checked against the host plan, then 200 builds captured in one CUDA graph are replayed six times and the
+// fastest replay gives the time per build (the launch included, as in a layer's stream of kernels).
 // Built with the tests (CMakeLists.txt): <build dir>/routing_plan_time
 #include <cuda_runtime.h>
 
@@ -73,10 +73,57 @@ struct PlanArrays {
   }
 };
 
+// The fastest time per build of `ids` (held as Id on the device: int32 or int64) in µs, or -1 where the
+// plan differs from the host plan of the same ids.
+template <typename Id>
+float time_plans(const megamoe_routing_shape& shape, const std::vector<int32_t>& ids, cudaStream_t stream,
+                 int32_t* host_count) {
+  constexpr int kBuilds = 200;
+  const std::vector<Id> wide(ids.begin(), ids.end());
+  const int32_t id_bytes = int32_t(sizeof(Id));
+  Id* device_ids;
+  check_cuda(cudaMalloc(&device_ids, wide.size() * sizeof(Id)), "cudaMalloc");
+  check_cuda(cudaMemcpy(device_ids, wide.data(), wide.size() * sizeof(Id), cudaMemcpyHostToDevice), "cudaMemcpy");
+  PlanArrays on_device(shape, true), on_host(shape, false);
+  on_device.plan.num_invalid_host = host_count;
+  check_megamoe(megamoe_build_routing_cuda(device_ids, id_bytes, &on_device.plan, stream), "build_routing_cuda");
+  check_cuda(cudaStreamSynchronize(stream), "build");
+  check_megamoe(megamoe_build_routing_host(ids.data(), 4, &on_host.plan), "build_routing_host");
+  const bool matches = on_device.read() == on_host.read();
+
+  cudaGraph_t graph;
+  cudaGraphExec_t replay;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < kBuilds; ++i) {
+    check_megamoe(megamoe_build_routing_cuda(device_ids, id_bytes, &on_device.plan, stream), "build_routing_cuda");
+  }
+  check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
+  check_cuda(cudaGraphInstantiate(&replay, graph, 0), "instantiate");
+  cudaEvent_t start, stop;
+  check_cuda(cudaEventCreate(&start), "event");
+  check_cuda(cudaEventCreate(&stop), "event");
+  float fastest_ms = 1e30f;
+  for (int round = 0; round < 7; ++round) {  // the first round warms up
+    check_cuda(cudaEventRecord(start, stream), "record");
+    check_cuda(cudaGraphLaunch(replay, stream), "replay");
+    check_cuda(cudaEventRecord(stop, stream), "record");
+    check_cuda(cudaEventSynchronize(stop), "replay");
+    float ms;
+    check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    if (round > 0) fastest_ms = std::min(fastest_ms, ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(replay);
+  cudaGraphDestroy(graph);
+  cudaFree(device_ids);
+  return matches ? fastest_ms * 1e3f / kBuilds : -1.0f;
+}
+
 }  // namespace
 
 int main() {
-  constexpr int kExperts = 128, kTopK = 8, kBuilds = 200;
+  constexpr int kExperts = 128, kTopK = 8;
   cudaStream_t stream;
   check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
   int32_t* host_count;  // the pinned slot the layer's plans write their invalid-id count to
@@ -90,45 +137,14 @@ int main() {
       std::shuffle(experts.begin(), experts.end(), rng);
       std::copy(experts.begin(), experts.begin() + kTopK, ids.begin() + t * kTopK);
     }
-    int32_t* device_ids;
-    check_cuda(cudaMalloc(&device_ids, ids.size() * sizeof(int32_t)), "cudaMalloc");
-    check_cuda(cudaMemcpy(device_ids, ids.data(), ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
-    PlanArrays on_device(shape, true), on_host(shape, false);
-    on_device.plan.num_invalid_host = host_count;
-    check_megamoe(megamoe_build_routing_cuda(device_ids, 4, &on_device.plan, stream), "build_routing_cuda");
-    check_cuda(cudaStreamSynchronize(stream), "build");
-    check_megamoe(megamoe_build_routing_host(ids.data(), 4, &on_host.plan), "build_routing_host");
-    const bool matches = on_device.read() == on_host.read();
-
-    cudaGraph_t graph;
-    cudaGraphExec_t replay;
-    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    for (int i = 0; i < kBuilds; ++i) {
-      check_megamoe(megamoe_build_routing_cuda(device_ids, 4, &on_device.plan, stream), "build_routing_cuda");
+    const float int32_us = time_plans<int32_t>(shape, ids, stream, host_count);
+    const float int64_us = time_plans<int64_t>(shape, ids, stream, host_count);
+    if (int32_us < 0 || int64_us < 0) {
+      std::printf("tokens %6lld: the plan DIFFERS from the host plan\n", static_cast<long long>(tokens));
+      return 1;
     }
-    check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
-    check_cuda(cudaGraphInstantiate(&replay, graph, 0), "instantiate");
-    cudaEvent_t start, stop;
-    check_cuda(cudaEventCreate(&start), "event");
-    check_cuda(cudaEventCreate(&stop), "event");
-    float fastest_ms = 1e30f;
-    for (int round = 0; round < 7; ++round) {  // the first round warms up
-      check_cuda(cudaEventRecord(start, stream), "record");
-      check_cuda(cudaGraphLaunch(replay, stream), "replay");
-      check_cuda(cudaEventRecord(stop, stream), "record");
-      check_cuda(cudaEventSynchronize(stop), "replay");
-      float ms;
-      check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-      if (round > 0) fastest_ms = std::min(fastest_ms, ms);
-    }
-    std::printf("tokens %6lld: %6.2f us per plan, %s\n", static_cast<long long>(tokens), fastest_ms * 1e3f / kBuilds,
-                matches ? "equal to the host plan" : "DIFFERS from the host plan");
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    cudaGraphExecDestroy(replay);
-    cudaGraphDestroy(graph);
-    cudaFree(device_ids);
-    if (!matches) return 1;
+    std::printf("tokens %6lld: %6.2f us per plan of int32 ids, %6.2f of int64 ids, equal to the host plan\n",
+                static_cast<long long>(tokens), int32_us, int64_us);
   }
   cudaFreeHost(host_count);
   cudaStreamDestroy(stream);
