@@ -68,7 +68,7 @@ from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm,
                    grouped_gemm_fp8, grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
-from .routing import RoutingPlan, build_routing, pool_capacity, routing_ids
+from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
 _PHASES = ("dispatch", "combine")
@@ -246,7 +246,7 @@ class _Meta:
         meta = cls(ws, [s[0] for s in shapes], top_k, num_local)
         if meta.total_routes == 0:  # no rank has tokens: nothing to exchange (every rank sees it)
             return meta
-        ids_all = meta._gather_ids(ws, routing_ids(topk_ids, meta.num_experts))
+        ids_all = meta._gather_ids(ws, topk_ids)
         meta.plan = build_routing(ids_all, meta.num_experts, ws.rank * num_local, num_local)
         meta.id_range = IdRangeCheck(meta.plan, meta.num_experts)
         ws.reserve(meta._buffer_sizes(hidden, precision, recompute, keep_z))
@@ -281,8 +281,9 @@ class _Meta:
         return sizes
 
     def _gather_ids(self, ws: _Workspace, ids: torch.Tensor) -> torch.Tensor:
-        """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device."""
-        padded = torch.full((max(self.tokens), self.top_k), -1, dtype=torch.int32, device=ids.device)
+        """Every rank's topk_ids, rank by rank [Σ T_r, K] on this device, in int64 whichever dtype each
+        rank passed (the gather needs one dtype on every rank; the routing kernels read int64 as it is)."""
+        padded = torch.full((max(self.tokens), self.top_k), -1, dtype=torch.int64, device=ids.device)
         padded[:ids.shape[0]] = ids
         parts = _all_gather(ws, padded)
         return torch.cat([p[:t] for p, t in zip(parts, self.tokens)]).to(ids.device).contiguous()

@@ -157,15 +157,6 @@ def _workspace_bytes(num_tokens: int, top_k: int, num_experts: int, expert_begin
     return _native.library().megamoe_routing_workspace_bytes(ctypes.byref(shape))
 
 
-def routing_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_ids [T, K] as contiguous int32, for buffers of int32 ids (the expert-parallel exchange). int64
-    ids are clamped to [-2, num_experts] first, so one outside int32's range is still outside [-1, E)
-    and counted as invalid (plan.num_invalid) instead of wrapping around onto an expert."""
-    if topk_ids.dtype == torch.int64:
-        topk_ids = topk_ids.clamp(-2, num_experts)
-    return topk_ids.to(torch.int32).contiguous()
-
-
 @_native.on_the_tensors_gpu
 def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 0,
                   num_local_experts: int | None = None) -> RoutingPlan:
