@@ -60,8 +60,9 @@ MEGAMOE_HOST_DEVICE inline int32_t plan_id(int64_t id, const megamoe_routing_sha
   return id < -1 ? -2 : (id >= s.num_experts ? s.num_experts : int32_t(id));
 }
 
-// Checks the ids' element size: 4 (int32) or 8 (int64); returns MEGAMOE_OK or sets the last error.
-int check_id_bytes(int32_t id_bytes);
+// Checks the ids a plan is built from: their element size, 4 (int32) or 8 (int64), and a pointer
+// wherever there are routes; returns MEGAMOE_OK or sets the last error.
+int check_ids(const void* topk_ids, int32_t id_bytes, const megamoe_routing_shape& s);
 
 // Checks a plan before it is built: its shape and its output pointers; returns MEGAMOE_OK or sets
 // the last error.

@@ -369,8 +369,7 @@ extern "C" int megamoe_build_routing_cuda(const void* topk_ids, int32_t id_bytes
                                           void* stream_handle) {
   if (plan == nullptr) return megamoe::invalid_argument("routing: null plan");
   MEGAMOE_RETURN_IF_ERROR(validate(plan, !builds_in_one_cta(plan->shape)));
-  MEGAMOE_RETURN_IF_ERROR(check_id_bytes(id_bytes));
-  if (num_routes(plan->shape) > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
+  MEGAMOE_RETURN_IF_ERROR(check_ids(topk_ids, id_bytes, plan->shape));
   auto stream = static_cast<cudaStream_t>(stream_handle);
   if (id_bytes == 8) return build(static_cast<const int64_t*>(topk_ids), *plan, stream);
   return build(static_cast<const int32_t*>(topk_ids), *plan, stream);

@@ -75,10 +75,13 @@ int check_plan(const std::string& fn, const megamoe_routing_plan* plan) {
   return check_shape(fn + "plan.shape: ", plan->shape);
 }
 
-int check_id_bytes(int32_t id_bytes) {
-  if (id_bytes == 4 || id_bytes == 8) return MEGAMOE_OK;
-  return invalid_argument("routing: id_bytes must be 4 (int32 topk_ids) or 8 (int64), got " +
-                          std::to_string(id_bytes));
+int check_ids(const void* topk_ids, int32_t id_bytes, const megamoe_routing_shape& s) {
+  if (id_bytes != 4 && id_bytes != 8) {
+    return invalid_argument("routing: id_bytes must be 4 (int32 topk_ids) or 8 (int64), got " +
+                            std::to_string(id_bytes));
+  }
+  if (num_routes(s) > 0 && topk_ids == nullptr) return invalid_argument("routing: topk_ids is null");
+  return MEGAMOE_OK;
 }
 
 int validate(const megamoe_routing_plan* plan, bool needs_workspace) {
@@ -107,8 +110,7 @@ extern "C" int64_t megamoe_routing_max_blocks(const megamoe_routing_shape* shape
 
 extern "C" int megamoe_build_routing_host(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan) {
   MEGAMOE_RETURN_IF_ERROR(validate(plan, false));
-  MEGAMOE_RETURN_IF_ERROR(check_id_bytes(id_bytes));
-  if (num_routes(plan->shape) > 0 && topk_ids == nullptr) return megamoe::invalid_argument("routing: topk_ids is null");
+  MEGAMOE_RETURN_IF_ERROR(check_ids(topk_ids, id_bytes, plan->shape));
   if (id_bytes == 8) {
     build_host(static_cast<const int64_t*>(topk_ids), plan);
   } else {
