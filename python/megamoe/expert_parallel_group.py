@@ -483,6 +483,7 @@ def _empty_kept(x: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.library.custom_op("megamoe::group_moe_forward", mutates_args=())
+@_native.on_the_tensors_gpu  # the workspace's collectives and the kernels follow the current device
 def group_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,
                       keep_z: bool, keep: bool
@@ -529,6 +530,7 @@ def _(x, topk_ids, topk_weights, w13, w2, group_name, activation, precision, rec
 
 
 @torch.library.custom_op("megamoe::group_moe_backward", mutates_args=("main_grad13", "main_grad2"))
+@_native.on_the_tensors_gpu
 def group_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, x_pool: torch.Tensor, x_scales: torch.Tensor, plan: torch.Tensor,
                        tokens: torch.Tensor, group_name: str, activation: str, precision: str, recompute: bool,

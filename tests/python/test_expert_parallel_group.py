@@ -32,11 +32,14 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
-                            activation="swiglu", precision="bf16", recompute=False, compiled=False):
+                            activation="swiglu", precision="bf16", recompute=False, compiled=False,
+                            current_elsewhere=False):
+    """current_elsewhere: each rank's tensors on its GPU while another GPU is the current one."""
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
-    torch.cuda.set_device(rank if one_gpu_per_rank else 0)
+    device = rank if one_gpu_per_rank else 0
+    torch.cuda.set_device((device + 1) % torch.cuda.device_count() if current_elsewhere else device)
     torch.manual_seed(0)  # the same problem in every process
-    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, "cuda")
+    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, f"cuda:{device}")
     dy = torch.randn_like(whole[0])
     layer = functools.partial(megamoe.moe, group=dist.group.WORLD, activation=activation, precision=precision,
                               recompute=recompute)
@@ -197,8 +200,10 @@ def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path, precision, 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_group_across_gpus_equals_one_rank_bitwise(tmp_path):
-    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True)
+@pytest.mark.parametrize("current_elsewhere", [False, True])
+def test_group_across_gpus_equals_one_rank_bitwise(tmp_path, current_elsewhere):
+    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True, "swiglu", "bf16", False, False,
+           current_elsewhere)
 
 
 @requires_cuda
