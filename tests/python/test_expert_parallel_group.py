@@ -21,6 +21,8 @@ from megamoe.reference import relative_error
 from test_backends import TESTED_ACTIVATIONS
 from test_expert_parallel import _problem, _sm90
 
+NUM_EXPERTS = 8  # of the layers that run over a group
+
 
 def _init(rank: int, world: int, store: str, backend: str = "gloo") -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
@@ -31,15 +33,24 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_()
 
 
-def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, one_gpu_per_rank=False,
-                            activation="swiglu", precision="bf16", recompute=False, compiled=False,
+def _layer_matches_one_rank(rank, world, store, tokens_per_rank, cases, one_gpu_per_rank=False,
                             current_elsewhere=False):
-    """current_elsewhere: each rank's tensors on its GPU while another GPU is the current one."""
+    """Each case (activation, precision, recompute, compiled) in turn over one process group: one
+    process start per rank for all of them, which takes longer than the cases. current_elsewhere:
+    each rank's tensors on its GPU while another GPU is the current one."""
     _init(rank, world, store, "nccl" if one_gpu_per_rank else "gloo")
     device = rank if one_gpu_per_rank else 0
     torch.cuda.set_device((device + 1) % torch.cuda.device_count() if current_elsewhere else device)
+    for case in cases:
+        _case_matches_one_rank(rank, tokens_per_rank, f"cuda:{device}", *case)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _case_matches_one_rank(rank, tokens_per_rank, device, activation, precision, recompute, compiled):
+    """This rank's output and gradients, bit for bit those of the single-rank layer on the whole problem."""
     torch.manual_seed(0)  # the same problem in every process
-    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, num_experts, f"cuda:{device}")
+    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, NUM_EXPERTS, device)
     dy = torch.randn_like(whole[0])
     layer = functools.partial(megamoe.moe, group=dist.group.WORLD, activation=activation, precision=precision,
                               recompute=recompute)
@@ -55,19 +66,26 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, num_experts, on
     y1.backward(dy)
     tokens = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
     experts = slice(rank * w13.shape[0], (rank + 1) * w13.shape[0])
+    case = f"{activation}, {precision}, recompute={recompute!r}{', compiled' if compiled else ''}"
     for name, got, expected in (("y", y, y1[tokens]), ("dx", x.grad, x1.grad[tokens]),
                                 ("d topk_weights", w.grad, w1.grad[tokens]),
                                 ("dw13", w13.grad, w131.grad[experts]), ("dw2", w2.grad, w21.grad[experts])):
-        assert torch.equal(got, expected), f"rank {rank}: {name} differs from the single-rank layer"
+        assert torch.equal(got, expected), f"rank {rank} ({case}): {name} differs from the single-rank layer"
+
+
+def _moe_layer_matches_one_rank(rank, world, store, tokens_per_rank, cases):
+    """Each case (precision, shared_gate) in turn over one process group (_layer_matches_one_rank)."""
+    _init(rank, world, store)
+    torch.cuda.set_device(0)
+    for precision, shared_gate in cases:
+        _moe_layer_case_matches_one_rank(rank, world, tokens_per_rank, precision, shared_gate)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _moe_layer_matches_one_rank(rank, world, store, tokens_per_rank, precision, shared_gate):
+def _moe_layer_case_matches_one_rank(rank, world, tokens_per_rank, precision, shared_gate):
     """MoELayer over the group, with a shared expert (replicated, run on the rank's own tokens), against
     the one-rank layer holding every expert and the shared slices, with the same parameters."""
-    _init(rank, world, store)
-    torch.cuda.set_device(0)
     torch.manual_seed(0)  # the same parameters and tokens in every process
     options = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2, precision=precision,
                    shared_expert_intermediate_size=256, shared_expert_gate=shared_gate, device="cuda")
@@ -111,9 +129,8 @@ def _moe_layer_matches_one_rank(rank, world, store, tokens_per_rank, precision, 
     tolerance = 1e-2 if precision == "bf16" else 5e-2
     for name, got, expected in pairs:
         error = relative_error(got.float().cpu(), expected.float().cpu())
-        assert error < tolerance, f"rank {rank}: {name} is {error:.2e} from the one-rank layer"
-    dist.barrier()
-    dist.destroy_process_group()
+        assert error < tolerance, (f"rank {rank} ({precision}, shared_gate={shared_gate}): {name} is {error:.2e} "
+                                   "from the one-rank layer")
 
 
 def _peer_skips_backward(rank, world, store):
@@ -163,38 +180,38 @@ def _spawn(fn, world, tmp_path, *args):
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
 # K = 4: two ranks copy their peer's rows whole before the pull, four pull them in place.
-@pytest.mark.parametrize("activation", TESTED_ACTIVATIONS)
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [257, 0], [100, 0, 64, 1]])
-def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank, activation):
-    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, activation)
+def test_group_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
+    cases = [(activation, "bf16", False, False) for activation in TESTED_ACTIVATIONS]
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, cases)
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [100, 0, 64, 1]])
-def test_group_in_fp8_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision):
+def test_group_in_fp8_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
     """Block FP8 over the group: e4m3 rows and their scales travel, the owners run the FP8 kernels."""
-    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, "swiglu", precision)
+    cases = [("swiglu", precision, False, False) for precision in ("fp8", "fp8_bwd")]
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, cases)
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision,recompute", [("bf16", True), ("fp8", True), ("bf16", "gather"),
-                                                ("fp8", "gather"), ("fp8_bwd", "gather")])
 @pytest.mark.parametrize("tokens_per_rank", [[300, 200], [100, 0, 64, 1]])
-def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank, precision, recompute):
+def test_group_with_recompute_equals_one_rank_bitwise(tmp_path, tokens_per_rank):
     """recompute=True over the group: only the inputs kept, x pulled again beside dy in the backward;
     "gather": the owners keep z too, and do not recompute it."""
-    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, 8, False, "swiglu", precision,
-           recompute)
+    cases = [("swiglu", precision, recompute, False) for precision, recompute in (
+        ("bf16", True), ("fp8", True), ("bf16", "gather"), ("fp8", "gather"), ("fp8_bwd", "gather"))]
+    _spawn(_layer_matches_one_rank, len(tokens_per_rank), tmp_path, tokens_per_rank, cases)
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision,recompute", [("bf16", False), ("fp8", True), ("fp8_bwd", "gather")])
-def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path, precision, recompute):
-    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, False, "swiglu", precision, recompute, True)
+def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path):
+    cases = [("swiglu", precision, recompute, True)
+             for precision, recompute in (("bf16", False), ("fp8", True), ("fp8_bwd", "gather"))]
+    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], cases)
 
 
 @requires_cuda
@@ -202,15 +219,14 @@ def test_group_under_torch_compile_equals_one_rank_bitwise(tmp_path, precision, 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("current_elsewhere", [False, True])
 def test_group_across_gpus_equals_one_rank_bitwise(tmp_path, current_elsewhere):
-    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], 8, True, "swiglu", "bf16", False, False,
+    _spawn(_layer_matches_one_rank, 2, tmp_path, [300, 200], [("swiglu", "bf16", False, False)], True,
            current_elsewhere)
 
 
 @requires_cuda
 @pytest.mark.skipif(not _sm90(), reason="the fused kernels need sm_90")
-@pytest.mark.parametrize("precision,shared_gate", [("bf16", True), ("fp8", False)])
-def test_moe_layer_with_shared_expert_over_a_group_matches_one_rank(tmp_path, precision, shared_gate):
-    _spawn(_moe_layer_matches_one_rank, 2, tmp_path, [300, 200], precision, shared_gate)
+def test_moe_layer_with_shared_expert_over_a_group_matches_one_rank(tmp_path):
+    _spawn(_moe_layer_matches_one_rank, 2, tmp_path, [300, 200], [("bf16", True), ("fp8", False)])
 
 
 def test_moe_layer_over_a_group_replicates_its_shared_expert(world_of_one):
