@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megamoe.shapes import PRESETS
 
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 
 from megamoe.train import ConfigError, load_config, train  # noqa: E402 (needs transformers)
 from megamoe.train import bench, cli, parity  # noqa: E402
+from megamoe.train.data import training_data  # noqa: E402
 from megamoe.train.trainer import Trainer  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -104,6 +106,61 @@ def test_fresh_starts_the_run_over(tmp_path, capsys):
     assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in first], rel=1e-6)
     with pytest.raises(SystemExit):  # one or the other
         cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path}", "--fresh", "--resume"])
+
+
+def write_tokens(path, ids, dtype="uint16"):
+    torch.tensor(ids, dtype=torch.int64).to(getattr(torch, dtype)).numpy().tofile(path)
+    return path
+
+
+def test_trains_on_a_token_file(tmp_path, capsys):
+    """[data].tokens: the batches are windows of the file, and the model learns its text (a phrase of 16
+    random ids, repeated)."""
+    phrase = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(3))
+    tokens = write_tokens(tmp_path / "train.bin", phrase.repeat(64).tolist())
+    assert cli.main(["--config", str(TINY), *CPU, "--set", f"output.dir={tmp_path / 'run'}", "--set",
+                     f"data.tokens='{tokens}'", "--set", "train.steps=8"]) == 0
+    records = read_metrics(tmp_path / "run")
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 1.0
+    assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("dtype,vocab", [("uint16", 65536), ("uint32", 100_000)])
+def test_token_file_batches_are_its_windows_by_seed_and_step(tmp_path, dtype, vocab):
+    ids = [(vocab - 1000 + i) % vocab for i in range(3000)]  # consecutive ids, up to the vocabulary's last
+    config = tiny(tmp_path, f"data.tokens='{write_tokens(tmp_path / 'ids.bin', ids, dtype)}'",
+                  f"data.token_dtype={dtype}", f"model.vocab_size={vocab}")
+    corpus = training_data(config.data, vocab, seed=1)
+    batch = corpus.batch(5, 4, 64)
+    assert batch.dtype == torch.int64 and batch.shape == (4, 64)
+    for row in batch.tolist():
+        start = ids.index(row[0])
+        assert row == ids[start:start + 64]
+    assert torch.equal(corpus.batch(5, 4, 64), batch)  # a function of (seed, step): resume sees the same
+    assert not torch.equal(corpus.batch(6, 4, 64), batch)
+    assert corpus.entropy_floor() is None
+
+
+@pytest.mark.parametrize("size,dtype,message", [
+    (None, "uint16", r"\[data\]\.tokens = '.*missing.bin': no such file"),
+    (33, "uint16", r"33 bytes are not a whole number of uint16 token ids"),
+    (60, "uint32", r"holds 15 token ids, fewer than \[train\]\.seq_len = 64"),
+    (1024, "int8", r"\[data\]\.token_dtype = 'int8': must be one of uint16, uint32"),
+])
+def test_bad_token_files_are_named_before_training(tmp_path, size, dtype, message):
+    path = tmp_path / "missing.bin"
+    if size is not None:
+        path.write_bytes(bytes(size))
+    with pytest.raises(ConfigError, match=message):
+        tiny(tmp_path, f"data.tokens='{path}'", f"data.token_dtype={dtype}")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_model_sees_them(tmp_path):
+    tokens = write_tokens(tmp_path / "ids.bin", [7] * 500 + [512] + [7] * 500)
+    corpus = training_data(tiny(tmp_path, f"data.tokens='{tokens}'").data, 512, seed=0)
+    with pytest.raises(ConfigError, match=r"holds token id 512, outside \[model\]\.vocab_size = 512"):
+        for step in range(100):
+            corpus.batch(step, 4, 64)
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])

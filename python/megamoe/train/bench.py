@@ -27,7 +27,7 @@ from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
 from .config import TRAINABLE_PRECISIONS, Config, ConfigError, backend_cannot_run, load_config
-from .data import SyntheticCorpus
+from .data import Corpus, training_data
 from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
 
@@ -91,7 +91,7 @@ def profile_step(step: Callable[[int], float]) -> dict:
                         for name, (us, count) in times[:PROFILED_KERNELS]]}
 
 
-def bench_backend(trainer: Trainer, corpus: SyntheticCorpus, backend: str, warmup: int, warmup_seconds: float,
+def bench_backend(trainer: Trainer, corpus: Corpus, backend: str, warmup: int, warmup_seconds: float,
                   steps: int, device: Device, precision: str | None = None, profile: bool = False) -> BenchRecord:
     """precision None: the config's; profile: also profile_step."""
     config = trainer.config
@@ -121,7 +121,7 @@ def run_bench(config: Config, backends: Sequence[str], warmup: int, warmup_secon
               steps: int, precisions: Sequence[str] | None = None, profile: bool = False) -> list[BenchRecord]:
     """One record per precision (None: the config's) and backend, in that order."""
     trainer = Trainer(config)
-    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    corpus = training_data(config.data, config.model.vocab_size, config.train.seed)
     device = Device(trainer.device)
     records = []
     for precision in precisions or [config.moe.precision]:

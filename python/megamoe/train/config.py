@@ -66,9 +66,12 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Synthetic corpus: sequences are random phrases from a fixed random phrase book."""
+    """A file of token ids (megamoe.train.data.TokenFile) or, without one, the synthetic corpus: random
+    phrases from a fixed random phrase book."""
 
-    phrases: int = 1024
+    tokens: str = ""  # path of a flat binary file of token ids; "" = the synthetic corpus
+    token_dtype: str = "uint16"  # the file's id type: "uint16" (vocabularies up to 65536) or "uint32"
+    phrases: int = 1024  # the synthetic corpus's
     phrase_length: int = 16
 
 
@@ -114,6 +117,7 @@ TRAINABLE_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 # The backends each precision runs on: FP8 is the fused kernels' (the baselines compute in bf16).
 PRECISION_BACKENDS = {"bf16": BACKENDS, "fp8": ("fused",), "fp8_bwd": ("fused",)}
 DEVICES = ("auto", "cuda", "cpu")
+TOKEN_BYTES = {"uint16": 2, "uint32": 4}  # [data].token_dtype -> bytes per token id
 _UNTRAINABLE = {"mxfp8": "needs Blackwell (sm_100) block-scaled tensor cores; on Hopper use 'fp8' "
                          "(1x128 / 128x128 block scales)"}
 
@@ -252,3 +256,19 @@ def _validate(config: Config) -> None:
              "[train].activation_checkpointing", train.activation_checkpointing,
              "is the fused experts' own (set [moe].backend = 'fused', or use 'moe')")
     _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")
+    _validate_token_file(config.data, train.seq_len)
+
+
+def _validate_token_file(data: DataConfig, seq_len: int) -> None:
+    _require(data.token_dtype in TOKEN_BYTES, "[data].token_dtype", data.token_dtype,
+             f"must be one of {', '.join(TOKEN_BYTES)}")
+    if not data.tokens:
+        return
+    path = Path(data.tokens)
+    _require(path.is_file(), "[data].tokens", data.tokens, "no such file")
+    size, itemsize = path.stat().st_size, TOKEN_BYTES[data.token_dtype]
+    _require(size % itemsize == 0, "[data].tokens", data.tokens,
+             f"{size} bytes are not a whole number of {data.token_dtype} token ids: set [data].token_dtype to "
+             "the file's")
+    _require(size // itemsize >= seq_len, "[data].tokens", data.tokens,
+             f"holds {size // itemsize} token ids, fewer than [train].seq_len = {seq_len}")

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .config import Config, ConfigError
-from .data import SyntheticCorpus
+from .data import training_data
 from .distributed import ExpertParallel, checkpoint_name, start
 from .plot import write_if_plotting, write_loss_curve
 from .trainer import Trainer, check_backend_runs_on, resolve_device
@@ -54,7 +54,7 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
                   flush=True)
     # Steps after the checkpoint (from an interrupted run) are dropped: they are trained again.
     records = [r for r in _read_metrics(out_dir / METRICS) if r["step"] <= trainer.step] if resume else []
-    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    corpus = training_data(config.data, config.model.vocab_size, config.train.seed)
     train_cfg = config.train
     tokens_per_step = ranks * train_cfg.batch_size * train_cfg.seq_len  # the global batch's
 

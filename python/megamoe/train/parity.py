@@ -34,7 +34,7 @@ from megamoe.validation import BACKENDS
 
 from .cli import config_arguments
 from .config import TRAINABLE_PRECISIONS, Config, ConfigError, backend_cannot_run, load_config
-from .data import SyntheticCorpus
+from .data import training_data
 from .plot import write_if_plotting, write_parity_plot
 from .results import environment, write_result
 from .trainer import BACKEND_CANNOT_RUN, Trainer, resolve_device
@@ -92,7 +92,7 @@ def train_curve(config: Config, name: str, backend: str, perturbation: int = 0, 
     trainer = Trainer(config)
     if perturbation:
         perturb_weights(trainer.model, config.train.seed + perturbation)
-    corpus = SyntheticCorpus(config.data, config.model.vocab_size, config.train.seed)
+    corpus = training_data(config.data, config.model.vocab_size, config.train.seed)
     curve = Curve(name, [], precision=precision)
     print(f"{name}: {config.train.steps} steps", file=sys.stderr, flush=True)
     try:
