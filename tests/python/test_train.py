@@ -163,6 +163,41 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_model_sees_them
             corpus.batch(step, 4, 64)
 
 
+def test_held_out_loss_every_eval_every_steps_leaves_training_as_it_was(tmp_path):
+    plain = train(tiny(tmp_path / "plain", "train.steps=6"), progress=False)
+    evaluated = train(tiny(tmp_path / "eval", "train.steps=6", "train.eval_every=4", "train.eval_batches=2"),
+                      progress=False)
+    assert [r["step"] for r in evaluated if "eval_loss" in r] == [4, 6]  # every 4 steps, and the last
+    assert [r["loss"] for r in evaluated] == [r["loss"] for r in plain]
+    first, last = (r["eval_loss"] for r in evaluated if "eval_loss" in r)
+    assert last < first < evaluated[0]["lm_loss"]
+
+
+def test_held_out_loss_of_a_token_file_run_reads_eval_tokens(tmp_path):
+    phrase = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(3))
+    tokens = write_tokens(tmp_path / "train.bin", phrase.repeat(64).tolist())
+    other = write_tokens(tmp_path / "val.bin", torch.randint(0, 512, (1024,)).tolist())  # text it never sees
+    same = write_tokens(tmp_path / "val_same.bin", phrase.repeat(8).tolist())
+    losses = {}
+    for name, path in (("other", other), ("same", same)):
+        records = train(tiny(tmp_path / name, f"data.tokens='{tokens}'", f"data.eval_tokens='{path}'",
+                             "train.steps=8", "train.eval_every=8"), progress=False)
+        losses[name] = records[-1]["eval_loss"]
+    assert losses["same"] < 1.0 < 5.0 < losses["other"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.tokens='{tokens}'", "train.eval_every=2"], r"\[train\]\.eval_every = 2: .* set \[data\]\.eval_tokens"),
+    (["data.eval_tokens='{tokens}'"], r"\[data\]\.eval_tokens = .*: is held-out text for a run on \[data\]\.tokens"),
+    (["data.tokens='{tokens}'", "data.eval_tokens='{tokens}.missing'"], r"\[data\]\.eval_tokens = .*: no such file"),
+    (["train.eval_every=-1"], r"\[train\]\.eval_every = -1: must be >= 0"),
+])
+def test_bad_evaluation_settings_are_named(tmp_path, overrides, message):
+    tokens = write_tokens(tmp_path / "ids.bin", [1] * 100)
+    with pytest.raises(ConfigError, match=message):
+        tiny(tmp_path, *(o.format(tokens=tokens) for o in overrides))
+
+
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
 def test_fp8_precisions_are_trainable_on_the_fused_backend(tmp_path, precision):
     config = tiny(tmp_path, f"moe.precision={precision}", "moe.backend=fused")

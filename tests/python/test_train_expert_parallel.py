@@ -98,8 +98,8 @@ def _train_rank(rank, world, port, out_dir, overrides):
                                      "train.micro_batches=2"], ids=["none", "moe-gather", "micro-batches"])
 def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path, setting):
     """With micro-batches only the ranks accumulate (one sequence each per pass), against one pass of
-    the whole global batch in one process."""
-    steps = ("train.steps=4", "output.checkpoint_every=4")
+    the whole global batch in one process; the held-out loss is the global batches' too."""
+    steps = ("train.steps=4", "output.checkpoint_every=4", "train.eval_every=4")
     mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", setting, *steps]),
              nprocs=2, join=True)
     one_setting = () if "micro_batches" in setting else (setting,)
@@ -111,6 +111,7 @@ def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path,
     assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], rel=1e-2)
     assert [r["grad_norm"] for r in ep] == pytest.approx([r["grad_norm"] for r in one], rel=5e-2)
     assert ep[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-3)  # before any update: the same model
+    assert ep[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-2)
     assert all(r["peak_memory_gb"] > 0 for r in ep)
     assert sorted(p.name for p in (tmp_path / "ep").glob("checkpoint*.pt")) == [
         "checkpoint.rank0-of-2.pt", "checkpoint.rank1-of-2.pt"]

@@ -62,6 +62,8 @@ class TrainConfig:
     # and gather x again: megamoe.moe's recompute="gather")
     activation_checkpointing: str = "none"
     device: str = "auto"  # "auto" = cuda when there is a GPU
+    eval_every: int = 0  # steps between evaluations of the held-out loss (and one at the end); 0 = none
+    eval_batches: int = 4  # batches of batch_size sequences per evaluation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,7 @@ class DataConfig:
 
     tokens: str = ""  # path of a flat binary file of token ids; "" = the synthetic corpus
     token_dtype: str = "uint16"  # the file's id type: "uint16" (vocabularies up to 65536) or "uint32"
+    eval_tokens: str = ""  # held-out ids in the same form, for [train].eval_every (with tokens)
     phrases: int = 1024  # the synthetic corpus's
     phrase_length: int = 16
 
@@ -223,7 +226,7 @@ def _validate(config: Config) -> None:
     for section in SECTIONS:
         for name, value in dataclasses.asdict(getattr(config, section)).items():
             if isinstance(value, int) and not isinstance(value, bool):
-                minimum = 0 if name in ("seed", "warmup_steps", "checkpoint_every") else 1
+                minimum = 0 if name in ("seed", "warmup_steps", "checkpoint_every", "eval_every") else 1
                 _require(value >= minimum, f"[{section}].{name}", value, f"must be >= {minimum}")
             elif isinstance(value, float):
                 minimum_is_zero = name in ("router_aux_loss_coef", "weight_decay", "grad_clip")
@@ -256,19 +259,22 @@ def _validate(config: Config) -> None:
              "[train].activation_checkpointing", train.activation_checkpointing,
              "is the fused experts' own (set [moe].backend = 'fused', or use 'moe')")
     _require(train.device in DEVICES, "[train].device", train.device, f"must be one of {', '.join(DEVICES)}")
-    _validate_token_file(config.data, train.seq_len)
-
-
-def _validate_token_file(data: DataConfig, seq_len: int) -> None:
+    data = config.data
     _require(data.token_dtype in TOKEN_BYTES, "[data].token_dtype", data.token_dtype,
              f"must be one of {', '.join(TOKEN_BYTES)}")
-    if not data.tokens:
-        return
-    path = Path(data.tokens)
-    _require(path.is_file(), "[data].tokens", data.tokens, "no such file")
-    size, itemsize = path.stat().st_size, TOKEN_BYTES[data.token_dtype]
-    _require(size % itemsize == 0, "[data].tokens", data.tokens,
-             f"{size} bytes are not a whole number of {data.token_dtype} token ids: set [data].token_dtype to "
-             "the file's")
-    _require(size // itemsize >= seq_len, "[data].tokens", data.tokens,
+    _require(not data.eval_tokens or data.tokens, "[data].eval_tokens", data.eval_tokens,
+             "is held-out text for a run on [data].tokens (the synthetic language holds out its own)")
+    _require(not (train.eval_every and data.tokens and not data.eval_tokens), "[train].eval_every", train.eval_every,
+             "a run on [data].tokens evaluates on held-out ids: set [data].eval_tokens")
+    for key in ("tokens", "eval_tokens"):
+        if getattr(data, key):
+            _validate_token_file(f"[data].{key}", getattr(data, key), data.token_dtype, train.seq_len)
+
+
+def _validate_token_file(key: str, path: str, token_dtype: str, seq_len: int) -> None:
+    _require(Path(path).is_file(), key, path, "no such file")
+    size, itemsize = Path(path).stat().st_size, TOKEN_BYTES[token_dtype]
+    _require(size % itemsize == 0, key, path,
+             f"{size} bytes are not a whole number of {token_dtype} token ids: set [data].token_dtype to the file's")
+    _require(size // itemsize >= seq_len, key, path,
              f"holds {size // itemsize} token ids, fewer than [train].seq_len = {seq_len}")

@@ -49,10 +49,10 @@ class TokenFile:
     checked the file's size (config._validate_token_file); each batch's ids are checked against the
     vocabulary before the model sees them."""
 
-    def __init__(self, data: DataConfig, vocab_size: int, seed: int):
-        count = os.path.getsize(data.tokens) // TOKEN_BYTES[data.token_dtype]
-        self.tokens = torch.from_file(data.tokens, shared=False, size=count, dtype=getattr(torch, data.token_dtype))
-        self.path, self.vocab_size, self.seed = data.tokens, vocab_size, seed
+    def __init__(self, path: str, token_dtype: str, vocab_size: int, seed: int, key: str = "[data].tokens"):
+        count = os.path.getsize(path) // TOKEN_BYTES[token_dtype]
+        self.tokens = torch.from_file(path, shared=False, size=count, dtype=getattr(torch, token_dtype))
+        self.path, self.key, self.vocab_size, self.seed = path, key, vocab_size, seed
 
     def batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
         """input_ids [batch_size, seq_len] int64 for `step`."""
@@ -61,8 +61,8 @@ class TokenFile:
         batch = torch.stack([self.tokens[start:start + seq_len].to(torch.int64) for start in starts.tolist()])
         largest = int(batch.max())
         if largest >= self.vocab_size:
-            raise ConfigError(f"[data].tokens = {self.path!r} holds token id {largest}, outside [model].vocab_size "
-                              f"= {self.vocab_size}")
+            raise ConfigError(f"{self.key} = {self.path!r} holds token id {largest}, outside [model].vocab_size = "
+                              f"{self.vocab_size}")
         return batch
 
     def entropy_floor(self) -> None:
@@ -75,4 +75,15 @@ Corpus = SyntheticCorpus | TokenFile
 
 def training_data(data: DataConfig, vocab_size: int, seed: int) -> Corpus:
     """The training data [data] names: its token file, or the synthetic corpus."""
-    return (TokenFile if data.tokens else SyntheticCorpus)(data, vocab_size, seed)
+    if data.tokens:
+        return TokenFile(data.tokens, data.token_dtype, vocab_size, seed)
+    return SyntheticCorpus(data, vocab_size, seed)
+
+
+def held_out_batches(data: DataConfig, vocab_size: int, seed: int, count: int, batch_size: int,
+                     seq_len: int) -> list[torch.Tensor]:
+    """The evaluation's `count` batches, the same at every evaluation: windows of [data].eval_tokens, or
+    sequences of the synthetic language that no training step draws (those of steps -1, -2, ...)."""
+    corpus = (TokenFile(data.eval_tokens, data.token_dtype, vocab_size, seed, "[data].eval_tokens")
+              if data.eval_tokens else SyntheticCorpus(data, vocab_size, seed))
+    return [corpus.batch(-1 - index, batch_size, seq_len) for index in range(count)]

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .config import Config, ConfigError
-from .data import training_data
+from .data import held_out_batches, training_data
 from .distributed import ExpertParallel, checkpoint_name, start
 from .plot import write_if_plotting, write_loss_curve
 from .trainer import Trainer, check_backend_runs_on, resolve_device
@@ -57,6 +57,12 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
     corpus = training_data(config.data, config.model.vocab_size, config.train.seed)
     train_cfg = config.train
     tokens_per_step = ranks * train_cfg.batch_size * train_cfg.seq_len  # the global batch's
+    held_out = []
+    if train_cfg.eval_every:
+        held_out = held_out_batches(config.data, config.model.vocab_size, train_cfg.seed, train_cfg.eval_batches,
+                                    ranks * train_cfg.batch_size, train_cfg.seq_len)
+        if ep is not None:
+            held_out = [ep.batch_slice(batch) for batch in held_out]
 
     with open(out_dir / METRICS if lead else os.devnull, "w") as metrics:
         for record in records:
@@ -75,13 +81,14 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
                       "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds,
                       "backend": config.moe.backend, "precision": config.moe.precision,
                       "expert_parallel": ranks, "peak_memory_gb": _peak_memory_gb(trainer.device)}
+            if _due(trainer.step, train_cfg.eval_every, train_cfg.steps):
+                record["eval_loss"] = trainer.evaluate(held_out)
             records.append(record)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             bar.update()
             bar.set_postfix(loss=f"{result.lm_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-            every = config.output.checkpoint_every
-            if every and (trainer.step % every == 0 or trainer.step == train_cfg.steps):
+            if _due(trainer.step, config.output.checkpoint_every, train_cfg.steps):
                 trainer.save(checkpoint)
         bar.close()
 
@@ -89,8 +96,14 @@ def train(config: Config, resume: bool | None = None, progress: bool = True) -> 
         write_if_plotting(write_loss_curve, out_dir / PLOT, [r["step"] for r in records],
                           [r["lm_loss"] for r in records],
                           title=f"Qwen3-MoE, {config.moe.backend}/{config.moe.precision} experts",
-                          floor=corpus.entropy_floor())
+                          floor=corpus.entropy_floor(),
+                          evaluations=[(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r])
     return records
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Whether a periodic action (every `every` steps and after the last; never for 0) runs after `step`."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def _all_ranks_have(checkpoint: Path, ep: ExpertParallel | None) -> bool:

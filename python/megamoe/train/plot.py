@@ -22,10 +22,13 @@ def write_if_plotting(write: Callable[..., None], path: Path, *args, **kwargs) -
 
 
 def write_loss_curve(steps: Sequence[int], losses: Sequence[float], path: Path, title: str,
-                     floor: float | None = None) -> None:
+                     floor: float | None = None, evaluations: Sequence[tuple[int, float]] = ()) -> None:
+    """The training loss by step, with the held-out loss at `evaluations` (step, loss) if any."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, losses, label="language-model loss")
+    if evaluations:
+        ax.plot(*zip(*evaluations), marker="o", label="held-out loss")
     if floor is not None:
         ax.axhline(floor, color="gray", linestyle="--", label=f"synthetic-data floor {floor:.2f}")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)

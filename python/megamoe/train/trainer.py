@@ -148,6 +148,21 @@ class Trainer:
         loss, aux_loss, grad_norm = torch.cat([losses, grad_norm.float().view(1)]).tolist()  # one host sync
         return StepResult(loss=loss, lm_loss=loss - coef * aux_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr)
 
+    def evaluate(self, batches: list[torch.Tensor]) -> float:
+        """The language-model loss (no aux loss) over `batches`, without gradients, each batch run in
+        [train].micro_batches parts as in training; with expert parallelism each rank passes its rows of
+        every global batch and gets the mean over the ranks."""
+        parts = self.config.train.micro_batches
+        total = torch.zeros(1, device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            for batch in batches:
+                for ids in batch.to(self.device).chunk(parts):
+                    total += self.model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+        self.model.train()
+        total /= len(batches) * parts
+        return (total if self.ep is None else self.ep.mean(total)).item()
+
     def save(self, path: Path) -> None:
         """Atomically (write, then rename): an interrupted save leaves the previous checkpoint intact."""
         state = {"step": self.step, "config": self.config.to_dict(), "model": self.model.state_dict(),
