@@ -21,8 +21,6 @@ from megamoe.reference import relative_error
 from test_backends import TESTED_ACTIVATIONS
 from test_expert_parallel import _problem, _sm90
 
-NUM_EXPERTS = 8  # of the layers that run over a group
-
 
 def _init(rank: int, world: int, store: str, backend: str = "gloo") -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
@@ -50,7 +48,7 @@ def _layer_matches_one_rank(rank, world, store, tokens_per_rank, cases, one_gpu_
 def _case_matches_one_rank(rank, tokens_per_rank, device, activation, precision, recompute, compiled):
     """This rank's output and gradients, bit for bit those of the single-rank layer on the whole problem."""
     torch.manual_seed(0)  # the same problem in every process
-    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, NUM_EXPERTS, device)
+    xs, ids, weights, w13s, w2s, whole = _problem(tokens_per_rank, 8, device)
     dy = torch.randn_like(whole[0])
     layer = functools.partial(megamoe.moe, group=dist.group.WORLD, activation=activation, precision=precision,
                               recompute=recompute)
