@@ -4,7 +4,6 @@ does on the whole global batch."""
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,18 @@ from megamoe.train.trainer import build_model  # noqa: E402
 from test_train import tiny  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _spawn_as_torchrun(fn, world: int, *args) -> None:
+    """Runs fn(rank, world, port, *args) in `world` processes that each look like a torchrun rank. As
+    torchrun's agent does, this process serves the rendezvous store on a port the OS picked and the
+    ranks join it as clients: a free port chosen here and bound later by rank 0 could be taken in
+    between by another test's sockets."""
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    mp.spawn(fn, args=(world, store.port, *args), nprocs=world, join=True)
 
 
 def _as_torchrun_rank(rank: int, world: int, port: int) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", NCCL_NVLS_ENABLE="0")
 
 
 def test_expert_parallel_without_torchrun_says_how_to_launch(tmp_path, monkeypatch):
@@ -83,7 +85,7 @@ def _split_experts(rank, world, port, out_dir):
 
 
 def test_a_group_splits_every_experts_module_over_the_ranks(tmp_path):
-    mp.spawn(_split_experts, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    _spawn_as_torchrun(_split_experts, 2, str(tmp_path))
 
 
 def _train_rank(rank, world, port, out_dir, overrides):
@@ -100,8 +102,7 @@ def test_two_ranks_on_one_gpu_train_as_one_process_on_the_global_batch(tmp_path,
     """With micro-batches only the ranks accumulate (one sequence each per pass), against one pass of
     the whole global batch in one process; the held-out loss is the global batches' too."""
     steps = ("train.steps=4", "output.checkpoint_every=4", "train.eval_every=4")
-    mp.spawn(_train_rank, args=(2, _free_port(), str(tmp_path / "ep"), ["train.batch_size=2", setting, *steps]),
-             nprocs=2, join=True)
+    _spawn_as_torchrun(_train_rank, 2, str(tmp_path / "ep"), ["train.batch_size=2", setting, *steps])
     one_setting = () if "micro_batches" in setting else (setting,)
     one = train(tiny(tmp_path / "one", "train.device=cuda", "moe.backend=fused", "train.batch_size=4", *one_setting,
                      *steps), progress=False)
@@ -146,4 +147,4 @@ def _reduce_on_cpu(rank, world, port, out_dir):
 
 
 def test_gradients_norm_and_losses_are_the_global_batchs(tmp_path):
-    mp.spawn(_reduce_on_cpu, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    _spawn_as_torchrun(_reduce_on_cpu, 2, str(tmp_path))
