@@ -213,6 +213,44 @@ def test_fused_replayed_from_cuda_graphs_equals_eager(precision, backend):
             assert torch.equal(got, want), name
 
 
+@requires_cuda
+@pytest.mark.parametrize("backend", ["fused-graphed", "fused-step-graphed"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_replayed_from_cuda_graphs_adds_into_main_grad_as_eager(precision, backend):
+    """With fp32 main_grad buffers autograd sees no gradient for w13 and w2 (the backward adds them
+    there): the graphs still capture, and each replay adds into main_grad what an eager call adds,
+    with the eager dx, bit for bit. The first call's warm-ups add as well, so the buffers are zeroed
+    after it."""
+    from megamoe.bench import backends
+    shape = megamoe.PRESETS["qwen3-30b-a3b"]
+    graphed = backends.build(backend, shape, precision, torch.device("cuda"))
+    _, _, _, w13, w2 = megamoe.make_inputs(shape, 1, device="cuda")
+    sides = []
+    for _ in ("graphed", "eager"):
+        ws = [leaf(w13.detach().clone()), leaf(w2.detach().clone())]
+        for w in ws:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        sides.append(ws)
+    for seed in range(3):
+        x, ids, weights, _, _ = megamoe.make_inputs(shape, 256, "skewed", device="cuda", seed=seed)
+        dy = torch.randn_like(x)
+        dxs = []
+        for fn, ws in ((graphed, sides[0]), (functools.partial(megamoe.moe, precision=precision), sides[1])):
+            if isinstance(fn, backends.StepGraphed):
+                dxs.append(fn.step(x, ids, weights, *ws, dy)[1].clone())
+            else:
+                xg = leaf(x)
+                fn(xg, ids, leaf(weights), *ws).backward(dy)
+                dxs.append(xg.grad)
+            assert all(w.grad is None for w in ws)
+        if seed == 0:
+            for w in (*sides[0], *sides[1]):
+                w.main_grad.zero_()
+        assert torch.equal(*dxs)
+    for got, want in zip(*sides):
+        assert want.main_grad.abs().sum() > 0 and torch.equal(got.main_grad, want.main_grad)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_fused_runs_on_its_tensors_gpu_whichever_is_current(precision):

@@ -74,7 +74,9 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
     graph per input shape under no_grad, torch.cuda.make_graphed_callables' forward and backward graphs
     with grad. Each call copies its x, ids and weights into the graph's own inputs (w13 and w2 are the
     graph's: the benchmark's sets share them). In block FP8 the graphs read the weights' cached copies,
-    made by the eager warm-up calls before capture (megamoe.fp8.cached_weights_in_graphs)."""
+    made by the eager warm-up calls before capture (megamoe.fp8.cached_weights_in_graphs). Weights with
+    fp32 `main_grad` buffers get their gradients added there, so autograd sees none for them: unused
+    inputs to make_graphed_callables."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda":
@@ -90,7 +92,7 @@ def _graphed(fn: MoEFn, device: torch.device | None) -> MoEFn:
             if torch.is_grad_enabled():
                 _free_earlier_graphs()
                 with fp8.cached_weights_in_graphs():
-                    graphs[key] = torch.cuda.make_graphed_callables(fn, static)
+                    graphs[key] = torch.cuda.make_graphed_callables(fn, static, allow_unused_input=True)
             else:
                 graphs[key] = _forward_graph(fn, static)
         return graphs[key](*args)
