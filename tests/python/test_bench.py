@@ -1,4 +1,5 @@
-"""Smoke tests of `python -m megamoe.bench` on the CPU: it runs end to end and writes the JSON contract."""
+"""Smoke tests of `python -m megamoe.bench` on the CPU: it runs end to end and writes the JSON contract;
+on a GPU every backend runs at every precision and setting it takes."""
 
 import json
 import time
@@ -9,6 +10,8 @@ import torch
 from megamoe.bench import backends, main, timing
 from megamoe.bench.timing import SINGLE_CALLS, Budget, Device, mean_clock_and_power, measure
 from megamoe.shapes import PRESETS
+
+from conftest import requires_cuda
 
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb",
@@ -278,6 +281,31 @@ def test_bench_at_fp8_records_what_has_no_fp8_path_as_skipped_with_the_reason(tm
     assert records["fused", "fp8"]["skipped"]  # no CUDA tensors here
     for r in records.values():
         assert r["skipped"] or r["precision"] == "bf16"
+
+
+@requires_cuda
+@pytest.mark.parametrize("settings", [[], ["--main-grad", "--ids", "int64"]], ids=["defaults", "main_grad-int64"])
+def test_every_backend_times_both_modes_at_every_precision_it_takes(tmp_path, settings):
+    """What the benchmark records on a GPU for each backend and precision: both modes timed, or skipped
+    only where the backend does not take that precision (backends.build says so), with fp32 main_grad
+    weights and int64 ids as well (graph capture once failed there). grouped-compiled is left out: its
+    compiles take minutes, and test_backends covers it."""
+    names = [b for b in backends.BACKENDS if b != "grouped-compiled"]
+    precisions = ["bf16", "fp8", "fp8_bwd"]
+    args = ["--preset", "tiny", "--tokens", "256", "--skewed-tokens", "--warmup", "1", "--warmup-seconds", "0",
+            "--repeat", "1", "--budget", "0", "--backends", *names, "--precision", *precisions, *settings]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    records = read_results(tmp_path)["records"]
+    assert sorted((r["backend"], r["precision"]) for r in records) == sorted(
+        (b, p) for b in names for p in precisions)
+    for r in records:
+        try:
+            backends.build(r["backend"], PRESETS["tiny"], r["precision"])
+        except backends.Unavailable as why:
+            assert r["skipped"] == str(why)
+            continue
+        assert r["skipped"] is None, (r["backend"], r["precision"], r["skipped"])
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0, (r["backend"], r["precision"])
 
 
 def test_fp8_records_are_compared_with_grouped_fp8_where_it_ran():
