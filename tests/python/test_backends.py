@@ -493,6 +493,29 @@ def test_fused_accumulates_weight_gradients_into_fp32_main_grad(hidden, inter):
     assert relative_error(w2g.main_grad, ref2.grad) < TOLERANCE
 
 
+@requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
+@pytest.mark.parametrize("recompute", [False, "gather", True], ids=["kept", "gather", "recomputed"])
+def test_main_grad_takes_the_weight_gradients_at_every_precision_and_recompute(precision, recompute):
+    """fp32 main_grad buffers get the weight gradients .grad would get (within its bf16 rounding) at
+    every precision and whatever is kept for the backward; dx and d topk_weights are bitwise unchanged."""
+    x, ids, weights, w13, w2 = edge_case_inputs("masked", SMALL, "cuda")
+    dy = torch.randn_like(x)
+    runs = []
+    for main_grad in (False, True):
+        inputs = [leaf(t) for t in (x, weights, w13, w2)]
+        for w in inputs[2:] if main_grad else ():
+            w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+        megamoe.moe(inputs[0], ids, inputs[1], inputs[2], inputs[3], backend="fused", precision=precision,
+                    recompute=recompute).backward(dy)
+        runs.append([t.grad for t in inputs] + [getattr(w, "main_grad", None) for w in inputs[2:]])
+    (dx, dp, dw13, dw2, _, _), (dx_m, dp_m, grad13, grad2, main13, main2) = runs
+    assert torch.equal(dx_m, dx) and torch.equal(dp_m, dp)
+    assert grad13 is None and grad2 is None
+    # The bf16 gradients are the same fp32 sums rounded, each by at most 2^-9 of itself.
+    assert relative_error(main13, dw13.float()) < 4e-3 and relative_error(main2, dw2.float()) < 4e-3
+
+
 @pytest.mark.parametrize("main_grad,message", [
     (torch.zeros(2, 4, 3), "w2.main_grad must be a contiguous float32 tensor of shape \\(2, 3, 4\\)"),
     (torch.zeros(2, 3, 4, dtype=torch.bfloat16), "got torch.bfloat16"),
