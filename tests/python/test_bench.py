@@ -16,8 +16,9 @@ from conftest import requires_cuda
 TOP_LEVEL_KEYS = {"gpu", "commit", "date", "peak_bf16_tflops", "peak_fp8_tflops", "torch", "command", "records"}
 RECORD_KEYS = {"preset", "tokens", "routing", "backend", "precision", "fwd_ms", "fwdbwd_ms", "peak_mem_gb",
                "fwd_sm_mhz", "fwdbwd_sm_mhz", "fwd_single_ms", "fwdbwd_single_ms"}
-SMOKE = ["--device", "cpu", "--preset", "tiny", "--tokens", "64", "--warmup", "1", "--warmup-seconds", "0",
-         "--repeat", "1"]
+# A short run of the tiny preset on any device; SMOKE: on the CPU.
+SHORT_RUN = ["--preset", "tiny", "--tokens", "64", "--warmup", "1", "--warmup-seconds", "0", "--repeat", "1"]
+SMOKE = ["--device", "cpu", *SHORT_RUN]
 
 
 def read_results(out_dir):
@@ -292,8 +293,7 @@ def test_every_backend_times_both_modes_at_every_precision_it_takes(tmp_path, se
     compiles take minutes, and test_backends covers it."""
     names = [b for b in backends.BACKENDS if b != "grouped-compiled"]
     precisions = ["bf16", "fp8", "fp8_bwd"]
-    args = ["--preset", "tiny", "--tokens", "256", "--skewed-tokens", "--warmup", "1", "--warmup-seconds", "0",
-            "--repeat", "1", "--budget", "0", "--backends", *names, "--precision", *precisions, *settings]
+    args = [*SHORT_RUN, "--budget", "0", "--backends", *names, "--precision", *precisions, *settings]
     assert main([*args, "--out", str(tmp_path)]) == 0
     records = read_results(tmp_path)["records"]
     assert sorted((r["backend"], r["precision"]) for r in records) == sorted(
