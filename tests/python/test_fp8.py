@@ -142,14 +142,19 @@ def test_dh_stores_dz_and_hp_in_e4m3_as_the_quantisations_would(inter):
         assert_bytes_equal(name, getattr(alone, name), getattr(out, name))
 
 
+# (tokens, columns): a few tiles, and enough that each CTA of the persistent pass takes several in turn.
+TRANSPOSE_SIZES = [(700, 384), (16384, 1024)]
+
+
 @requires_cuda
 @pytest.mark.parametrize("in_blocks", [False, True])
-def test_the_transposed_quantisation_equals_quantising_the_transpose(in_blocks):
+@pytest.mark.parametrize("num_tokens, cols", TRANSPOSE_SIZES)
+def test_the_transposed_quantisation_equals_quantising_the_transpose(in_blocks, num_tokens, cols):
     """The FP8 weight gradients' operands: the live pool rows transposed, then one scale per column and
     128 rows (the row quantisation of the transpose) or per 128 x 128 block (the weights' recipe)."""
-    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(4))
+    ids, _ = make_routing(num_tokens, 8, 2, "skewed", generator=torch.Generator().manual_seed(4))
     plan = build_routing(ids.cuda(), 8)
-    pool = torch.randn(plan.slot_to_route.numel(), 384, device="cuda").bfloat16()
+    pool = torch.randn(plan.slot_to_route.numel(), cols, device="cuda").bfloat16()
     pool[5, 7] = float("nan")
     q_t, scales = transpose_quantize(pool, plan, in_blocks)
     live = int(plan.num_blocks) * 128
@@ -167,12 +172,13 @@ def test_the_transposed_quantisation_equals_quantising_the_transpose(in_blocks):
 
 @requires_cuda
 @pytest.mark.parametrize("in_blocks", [False, True])
-def test_the_transposed_quantisation_gathers_token_rows_as_the_dispatch_does(in_blocks):
+@pytest.mark.parametrize("num_tokens, cols", TRANSPOSE_SIZES)
+def test_the_transposed_quantisation_gathers_token_rows_as_the_dispatch_does(in_blocks, num_tokens, cols):
     """From token rows, the bytes it makes of the dispatched pool, padding rows included."""
-    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(6))
+    ids, _ = make_routing(num_tokens, 8, 2, "skewed", generator=torch.Generator().manual_seed(6))
     ids[3, 1] = -1
     plan = build_routing(ids.cuda(), 8)
-    rows = torch.randn(700, 256, device="cuda").bfloat16()
+    rows = torch.randn(num_tokens, cols, device="cuda").bfloat16()
     live = int(plan.num_blocks) * 128
     got = transpose_quantize(rows, plan, in_blocks, tokens=True)
     want = transpose_quantize(dispatch(plan, rows), plan, in_blocks)
@@ -184,14 +190,15 @@ def test_the_transposed_quantisation_gathers_token_rows_as_the_dispatch_does(in_
 @requires_cuda
 @pytest.mark.parametrize("in_blocks", [False, True])
 @pytest.mark.parametrize("tokens", [False, True])
-def test_the_transposed_quantisation_of_e4m3_rows_dequantises_them_first(in_blocks, tokens):
+@pytest.mark.parametrize("num_tokens, cols", TRANSPOSE_SIZES)
+def test_the_transposed_quantisation_of_e4m3_rows_dequantises_them_first(in_blocks, tokens, num_tokens, cols):
     """From e4m3 rows with their 1 x 128 scales (dz as dh quantised it for dx): the bytes it makes of
     those rows dequantised to bf16; a NaN block stays non-finite."""
-    ids, _ = make_routing(700, 8, 2, "skewed", generator=torch.Generator().manual_seed(7))
+    ids, _ = make_routing(num_tokens, 8, 2, "skewed", generator=torch.Generator().manual_seed(7))
     ids[3, 1] = -1
     plan = build_routing(ids.cuda(), 8)
-    source_rows = 700 if tokens else plan.slot_to_route.numel()
-    rows = (torch.randn(source_rows, 256, device="cuda") * 5).bfloat16()
+    source_rows = num_tokens if tokens else plan.slot_to_route.numel()
+    rows = (torch.randn(source_rows, cols, device="cuda") * 5).bfloat16()
     rows[5, 130] = float("nan")
     q, q_scales = fp8.quantize_rows(rows)
     got = transpose_quantize(q, plan, in_blocks, tokens=tokens, src_scales=q_scales)

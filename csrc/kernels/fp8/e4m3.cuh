@@ -55,8 +55,8 @@ __device__ __forceinline__ float inverse(float scale) { return 1.f / scale; }
 
 // The scale of one block held by a whole CTA of Threads threads (1-D), each passing the amax of its
 // part: reduced within each warp, then across the warps through shared memory. Every thread of the
-// CTA calls it (it holds a barrier) and gets the scale; once per CTA, as its scratch is not guarded
-// against a second call.
+// CTA calls it (it holds a barrier) and gets the scale; a second call needs a barrier between them,
+// as its scratch is reused.
 template <int Threads>
 __device__ __forceinline__ float cta_block_scale(float amax) {
   static_assert(Threads % 32 == 0, "whole warps");

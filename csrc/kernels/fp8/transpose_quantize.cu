@@ -3,18 +3,22 @@
 // with the rounding of e4m3.cuh; or, from token rows [T, cols] (x), the pool the plan's dispatch would
 // make of them (row r = token slot_to_route[r] / K, zeros for a padding row), without making it. The
 // source may itself be e4m3 rows with 1 x 128 scales (dy as dispatched for dh): each value is
-// dequantised to bf16 (e4m3.cuh) as it is staged, so the pass reads half the bytes of a bf16 copy.
+// dequantised to bf16 (e4m3.cuh) as it is read, so the pass reads half the bytes of a bf16 copy.
 //   MEGAMOE_FP8_ALONG_ROWS: one scale per column and 128 rows (1 x 128 blocks along the tokens),
 //                           scales [rows / 128, cols]
 //   MEGAMOE_FP8_IN_BLOCKS:  one scale per 128 x 128 block, scales [cols / 128, rows / 128]
-// One CTA per 128 x 128 tile of the live pool blocks, in three steps through one shared buffer:
-//   1. stage: the tile's rows, each 16-byte chunk loaded once (all of a thread's loads in flight
-//      together), into rows 65 words apart as bf16 pairs;
-//   2. quantise: thread t holds column pair t % 64 over rows [32 (t / 64), +32) in registers; the 4
-//      threads of a column meet in shared memory for its amax (the whole CTA for the tile's);
-//   3. write: the e4m3 tile, transposed, goes back into the buffer as 128 columns of 128 bytes (a
-//      column's 16-byte chunks permuted by its index, so a warp's stores spread over the banks), and
-//      the CTA stores it as whole 128-byte lines of q_t (a warp writes 4 columns' lines).
+// Persistent CTAs, each taking 128 x 128 tiles of the live pool blocks in turn (a column tile's row
+// blocks one after the other, so x's column slice stays in L2), with the next tile's copy in flight
+// while the current one is quantised, through two shared buffers:
+//   1. copy: the tile's source rows by cp.async, 16-byte units, unit u of row r at u ^ (r % 8) so
+//      the column reads of step 2 fall in distinct banks (a padding row's units are zero-filled);
+//      for token rows a tile's routes are loaded one tile before its copy, so no copy waits on them;
+//   2. quantise: thread t holds column pair t % 64 over rows [32 (t / 64), +32) in registers (e4m3
+//      sources dequantised with their row scales as they are read); the 4 threads of a column meet
+//      in shared memory for its amax (the whole CTA for the tile's);
+//   3. write: the e4m3 tile, transposed, replaces the source in its buffer as 128 columns of 128
+//      bytes (a column's 16-byte chunks permuted by its index, so a warp's stores spread over the
+//      banks), and the CTA stores it as whole 128-byte lines of q_t (a warp writes 4 columns' lines).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include <string>
 #include <type_traits>
 
+#include <cute/arch/copy_sm80.hpp>
 #include <cutlass/fast_math.h>
 
 #include "common/status.h"
@@ -34,144 +39,188 @@ namespace {
 
 constexpr int kTile = 128;
 constexpr int kThreads = 256;
-constexpr int kRowWords = kTile / 2 + 1;                              // a staged row: 64 words and one of padding
+constexpr int kCtasPerSm = 2;
+constexpr int kBuffers = 2;  // the tile quantised and the next one being copied (a third: e4m3 rows slower)
 constexpr int kQuarters = kThreads / (kTile / 2);                     // threads per column pair: 4
 constexpr int kQuarterRows = kTile / kQuarters;                       // rows per thread: 32
 constexpr int kOutChunks = kTile * kTile / 16 / kThreads;              // a thread's 16-byte output chunks: 4
-static_assert(kTile * kRowWords * 4 >= kTile * kTile, "the e4m3 tile fits where the bf16 tile was staged");
 
-// slot_to_route (token rows) or null (a pool); src_scales (E4m3: [cols / 128, scale_rows], one per
-// source row and 128 columns). Three CTAs per SM: their staged loads keep about 96 KB (bf16) in
-// flight, and the register budget (85) holds a thread's 8 staged chunks and 32 held words.
-template <bool InBlocks, bool E4m3>
-__global__ void __launch_bounds__(kThreads, 3)
-transpose_quantize(const uint4* __restrict__ src, const float* __restrict__ src_scales, uint4* __restrict__ q_t,
+// A source tile as it is copied: 128 rows of 128 values, bf16 or e4m3 (with one scale per row).
+template <bool E4m3>
+struct SourceTile {
+  static constexpr int kRowBytes = E4m3 ? kTile : 2 * kTile;
+  static constexpr int kUnitsPerRow = kRowBytes / 16;
+  static constexpr int kUnitsPerThread = kTile * kUnitsPerRow / kThreads;  // 4 or 8
+  static constexpr int kRowsPerPass = kThreads / kUnitsPerRow;
+  static constexpr int kBytes = kTile * kRowBytes;
+  static_assert(kBytes >= kTile * kTile, "the e4m3 tile fits where its source was");
+  // Shared memory: the buffers, each with its rows' scales (e4m3), then the column amaxes' exchange.
+  static constexpr int kScaleBytes = E4m3 ? kTile * 4 : 0;
+  static constexpr int kBufferBytes = kBytes + kScaleBytes;
+  static constexpr int kSmemBytes = kBuffers * kBufferBytes + kQuarters * kTile * 4;
+
+  // Value pair `pair` (columns 2 pair, 2 pair + 1) of row r is at byte
+  // pair_unit(pair) ^ (r % 8) * 16 + pair_within(pair) + r * kRowBytes: one xor with a constant per
+  // row once r's multiple of 8 is known.
+  static constexpr int kPairsPerUnit = 16 / (kRowBytes / kTile * 2);
+  __device__ static int pair_unit(int pair) { return pair / kPairsPerUnit * 16; }
+  __device__ static int pair_within(int pair) { return pair % kPairsPerUnit * (16 / kPairsPerUnit); }
+};
+
+// Tokens: token rows through slot_to_route, else a pool; src_scales (E4m3: [cols / 128, scale_rows],
+// one per source row and 128 columns). Two CTAs per SM: at three (85 registers) the persistent loop's
+// state and the routes in flight beside a thread's 32 held words spill.
+template <bool InBlocks, bool E4m3, bool Tokens>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ src_scales, uint4* __restrict__ q_t,
                    float* __restrict__ scales, const int32_t* __restrict__ num_blocks,
                    const int32_t* __restrict__ slot_to_route, cutlass::FastDivmod top_k, int64_t rows,
-                   int64_t scale_rows,
-                   int32_t cols) {
-  constexpr int kValuesPerChunk = E4m3 ? 16 : 8;                         // values of a 16-byte source chunk
-  constexpr int kChunksPerRow = kTile / kValuesPerChunk;                 // of a source row's 128 values
-  constexpr int kStagedChunks = kTile * kChunksPerRow / kThreads;        // a thread's chunks: 4 or 8
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  const int block_row = int(blockIdx.x);  // 128-row block of the pool
-  if (block_row >= *num_blocks) return;   // past the live blocks: nothing reads those rows
-  const int col_tile = int(blockIdx.y);
-  const int col0 = col_tile * kTile;
-  __shared__ __align__(16) uint32_t tile[kTile * kRowWords];
-  __shared__ float amax_part[kQuarters][kTile];
+                   int64_t scale_rows, int32_t cols) {
+  using Src = SourceTile<E4m3>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* amax_part = reinterpret_cast<float*>(smem + kBuffers * Src::kBufferBytes);  // [kQuarters][kTile]
+  const auto buffer = [&](int b) { return smem + b * Src::kBufferBytes; };
+  const auto row_scales = [&](int b) { return reinterpret_cast<float*>(buffer(b) + Src::kBytes); };
+  const int live_blocks = *num_blocks;
+  const int tiles = live_blocks * (cols / kTile);
+  int tile = int(blockIdx.x);
+  if (tile >= tiles) return;
 
-  // 1. Stage. Thread t loads chunk t % kChunksPerRow of rows t / kChunksPerRow + kRowsPerPass i:
-  // first every source row, then every chunk, so the loads of each kind are in flight together.
-  // Source rows and offsets in 32 bits (routes and pool rows are int32), widened by one unsigned
-  // multiply per load (a real row is >= 0).
-  const int row0 = block_row * kTile;
-  const int chunk = int(threadIdx.x) % kChunksPerRow;
-  int32_t src_row[kStagedChunks];  // -1 for a padding row
+  // Step 1. Thread t copies unit t % kUnitsPerRow of rows t / kUnitsPerRow + kRowsPerPass i. For
+  // token rows `routes` holds those rows' routes for the next tile to copy; a source row of -1 is a
+  // padding row. Source rows and offsets in 32 bits (routes and pool rows are int32), widened by
+  // one unsigned multiply per copy (a real row is >= 0).
+  const int unit = int(threadIdx.x) % Src::kUnitsPerRow;
+  const int src_row_bytes = cols * (Src::kRowBytes / kTile);
+  int32_t routes[Tokens ? Src::kUnitsPerThread : 1];
+  const auto load_routes = [&](int t) {
+    if constexpr (Tokens) {
 #pragma unroll
-  for (int i = 0; i < kStagedChunks; ++i) {
-    src_row[i] = row0 + int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
-    if (slot_to_route != nullptr) {
-      const int32_t route = slot_to_route[src_row[i]];
-      const int32_t token = top_k.div(max(route, 0));  // a multiply-high, not a division
-      src_row[i] = route >= 0 ? token : -1;
-    }
-  }
-  const uint4* src_tile = src + col_tile * kChunksPerRow + chunk;  // this thread's chunk of source row 0
-  const float* col_scales = E4m3 ? src_scales + int64_t(col_tile) * scale_rows : nullptr;
-  const int row_chunks = cols / kValuesPerChunk;
-  uint4 staged[kStagedChunks];
-  float row_scale[kStagedChunks];
-#pragma unroll
-  for (int i = 0; i < kStagedChunks; ++i) {
-    const bool real = src_row[i] >= 0;
-    staged[i] = real ? src_tile[uint64_t(uint32_t(src_row[i])) * uint32_t(row_chunks)] : make_uint4(0, 0, 0, 0);
-    if constexpr (E4m3) row_scale[i] = real ? col_scales[src_row[i]] : 0.f;
-  }
-#pragma unroll
-  for (int i = 0; i < kStagedChunks; ++i) {
-    const int row = int(threadIdx.x) / kChunksPerRow + i * kRowsPerPass;
-    uint32_t* dst = tile + row * kRowWords + chunk * (kValuesPerChunk / 2);
-    const uint32_t words[4] = {staged[i].x, staged[i].y, staged[i].z, staged[i].w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      if constexpr (E4m3) {  // 4 e4m3 values per word, 2 bf16 per staged word
-        const __nv_bfloat162 lo = fp8::dequantize_e4m3x2(uint16_t(words[w]), row_scale[i]);
-        const __nv_bfloat162 hi = fp8::dequantize_e4m3x2(uint16_t(words[w] >> 16), row_scale[i]);
-        dst[2 * w] = *reinterpret_cast<const uint32_t*>(&lo);
-        dst[2 * w + 1] = *reinterpret_cast<const uint32_t*>(&hi);
-      } else {
-        dst[w] = words[w];
+      for (int i = 0; i < Src::kUnitsPerThread; ++i) {
+        routes[i] = slot_to_route[(t % live_blocks) * kTile + int(threadIdx.x) / Src::kUnitsPerRow + i * Src::kRowsPerPass];
       }
     }
-  }
-  __syncthreads();
+  };
+  const auto copy = [&](int t, int b) {
+    const int col_tile = t / live_blocks;
+    const uint8_t* src_tile = src + col_tile * Src::kRowBytes + unit * 16;
+#pragma unroll
+    for (int i = 0; i < Src::kUnitsPerThread; ++i) {
+      const int row = int(threadIdx.x) / Src::kUnitsPerRow + i * Src::kRowsPerPass;
+      int32_t src_row = (t % live_blocks) * kTile + row;
+      if constexpr (Tokens) src_row = routes[i] >= 0 ? top_k.div(routes[i]) : -1;  // a multiply-high
+      const bool real = src_row >= 0;
+      const auto* from = reinterpret_cast<const cute::uint128_t*>(
+          real ? src_tile + uint64_t(uint32_t(src_row)) * uint32_t(src_row_bytes) : src);
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *from, *reinterpret_cast<cute::uint128_t*>(buffer(b) + row * Src::kRowBytes + ((unit ^ (row % 8)) * 16)), real);
+      if constexpr (E4m3) {
+        if (unit == 0) {
+          const float* scale = real ? src_scales + int64_t(col_tile) * scale_rows + src_row : src_scales;
+          cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
+              *reinterpret_cast<const uint32_t*>(scale), *reinterpret_cast<uint32_t*>(row_scales(b) + row), real);
+        }
+      }
+    }
+  };
 
-  // 2. Quantise: this thread's 32 rows of its two columns, held as bf16 pairs.
-  const int pair = int(threadIdx.x) % (kTile / 2);
-  const int quarter = int(threadIdx.x) / (kTile / 2);
-  uint32_t held[kQuarterRows];
-  uint32_t amax_pair = 0;  // both columns' amax, as bf16 (the max of bf16 values is one of them)
+  // The first kBuffers - 1 tiles' copies, one commit group per tile (empty past the last tile).
+  const int stride = int(gridDim.x);
 #pragma unroll
-  for (int i = 0; i < kQuarterRows; ++i) {
-    held[i] = tile[(quarter * kQuarterRows + i) * kRowWords + pair];
-    amax_pair = fp8::abs_max_nan_bf16x2(amax_pair, held[i]);
+  for (int b = 0; b < kBuffers - 1; ++b) {
+    if (tile + b * stride < tiles) {
+      load_routes(tile + b * stride);
+      copy(tile + b * stride, b);
+    }
+    cute::cp_async_fence();
   }
-  const float2 amax2 = fp8::abs_halves(amax_pair);
-  const float amax[2] = {amax2.x, amax2.y};
-  float scale[2];
-  if constexpr (InBlocks) {  // the tile's amax
-    scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fp8::max_nan(amax[0], amax[1]));
-  } else {  // each column's amax over the 4 quarters of its rows
+  if (tile + (kBuffers - 1) * stride < tiles) load_routes(tile + (kBuffers - 1) * stride);
+  for (int b = 0; tile < tiles; b = (b + 1) % kBuffers) {
+    const int block_row = tile % live_blocks, col_tile = tile / live_blocks, col0 = col_tile * kTile;
+    cute::cp_async_wait<kBuffers - 2>();
+    __syncthreads();  // this tile is staged in buffer b, and the last tile's stores have read the buffer refilled next
+    const int ahead = tile + (kBuffers - 1) * stride;
+    if (ahead < tiles) copy(ahead, (b + kBuffers - 1) % kBuffers);
+    cute::cp_async_fence();
+    if (ahead + stride < tiles) load_routes(ahead + stride);  // in flight while this tile is quantised
+
+    // 2. Quantise: this thread's 32 rows of its two columns, held as bf16 pairs.
+    const int pair = int(threadIdx.x) % (kTile / 2);
+    const int quarter = int(threadIdx.x) / (kTile / 2);
+    const uint8_t* staged = buffer(b) + quarter * kQuarterRows * Src::kRowBytes + Src::pair_within(pair);
+    const int unit_offset = Src::pair_unit(pair);
+    uint32_t held[kQuarterRows];
+    uint32_t amax_pair = 0;  // both columns' amax, as bf16 (the max of bf16 values is one of them)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) amax_part[quarter][2 * pair + c] = amax[c];
-    __syncthreads();
+    for (int i = 0; i < kQuarterRows; ++i) {
+      const int r = quarter * kQuarterRows + i;  // r % 8 == i % 8
+      const uint8_t* at = staged + i * Src::kRowBytes + (unit_offset ^ (i % 8 * 16));
+      if constexpr (E4m3) {
+        const __nv_bfloat162 v = fp8::dequantize_e4m3x2(*reinterpret_cast<const uint16_t*>(at), row_scales(b)[r]);
+        held[i] = *reinterpret_cast<const uint32_t*>(&v);
+      } else {
+        held[i] = *reinterpret_cast<const uint32_t*>(at);
+      }
+      amax_pair = fp8::abs_max_nan_bf16x2(amax_pair, held[i]);
+    }
+    const float2 amax2 = fp8::abs_halves(amax_pair);
+    const float amax[2] = {amax2.x, amax2.y};
+    float scale[2];
+    if constexpr (InBlocks) {  // the tile's amax
+      scale[0] = scale[1] = fp8::cta_block_scale<kThreads>(fp8::max_nan(amax[0], amax[1]));
+    } else {  // each column's amax over the 4 quarters of its rows
+#pragma unroll
+      for (int c = 0; c < 2; ++c) amax_part[quarter * kTile + 2 * pair + c] = amax[c];
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float column_amax = 0.f;
+#pragma unroll
+        for (int q = 0; q < kQuarters; ++q) column_amax = fp8::max_nan(column_amax, amax_part[q * kTile + 2 * pair + c]);
+        scale[c] = fp8::block_scale(column_amax);
+      }
+    }
+    // Every thread has read its rows from buffer b (both branches hold a barrier): the e4m3 tile
+    // replaces them, column c at bytes [128 c, +128), this thread's 32 rows of each of its columns as
+    // two chunks.
+    uint4* out_tile = reinterpret_cast<uint4*>(buffer(b));
+    const auto out_chunk = [&](int column, int chunk_of_column) {  // chunk q sits at q ^ (column / 2 % 8)
+      return out_tile + column * (kTile / 16) + (chunk_of_column ^ (column / 2 % 8));
+    };
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      float column_amax = 0.f;
+      const float inverse = fp8::inverse(scale[c]);
+      uint32_t words[kQuarterRows / 4];
 #pragma unroll
-      for (int q = 0; q < kQuarters; ++q) column_amax = fp8::max_nan(column_amax, amax_part[q][2 * pair + c]);
-      scale[c] = fp8::block_scale(column_amax);
-    }
-  }
-  // Every thread has read its rows from the staged tile (both branches hold a barrier): the e4m3 tile replaces
-  // it, column c at bytes [128 c, +128), this thread's 32 rows of each of its columns as two chunks.
-  uint4* out_tile = reinterpret_cast<uint4*>(tile);
-  const auto out_chunk = [&](int column, int chunk_of_column) {  // chunk q sits at q ^ (column / 2 % 8)
-    return out_tile + column * (kTile / 16) + (chunk_of_column ^ (column / 2 % 8));
-  };
+      for (int w = 0; w < kQuarterRows / 4; ++w) {
+        float v[4];
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const float inverse = fp8::inverse(scale[c]);
-    uint32_t words[kQuarterRows / 4];
-#pragma unroll
-    for (int w = 0; w < kQuarterRows / 4; ++w) {
-      float v[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of its fp32
-        const uint32_t pair = held[4 * w + i];
-        v[i] = __uint_as_float(c ? pair & 0xffff0000u : pair << 16);
+        for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of its fp32
+          const uint32_t pair = held[4 * w + i];
+          v[i] = __uint_as_float(c ? pair & 0xffff0000u : pair << 16);
+        }
+        words[w] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
       }
-      words[w] = fp8::to_e4m3x4(v[0], v[1], v[2], v[3], inverse);
+      const int column = 2 * pair + c, first = quarter * (kQuarterRows / 16);
+      *out_chunk(column, first) = make_uint4(words[0], words[1], words[2], words[3]);
+      *out_chunk(column, first + 1) = make_uint4(words[4], words[5], words[6], words[7]);
+      if constexpr (!InBlocks) {
+        if (quarter == 0) scales[int64_t(block_row) * cols + col0 + 2 * pair + c] = scale[c];
+      }
     }
-    const int column = 2 * pair + c, first = quarter * (kQuarterRows / 16);
-    *out_chunk(column, first) = make_uint4(words[0], words[1], words[2], words[3]);
-    *out_chunk(column, first + 1) = make_uint4(words[4], words[5], words[6], words[7]);
-    if constexpr (!InBlocks) {
-      if (quarter == 0) scales[int64_t(block_row) * cols + col0 + 2 * pair + c] = scale[c];
+    if constexpr (InBlocks) {
+      if (threadIdx.x == 0) scales[int64_t(col_tile) * (rows / kTile) + block_row] = scale[0];
     }
-  }
-  if constexpr (InBlocks) {
-    if (threadIdx.x == 0) scales[int64_t(col_tile) * (rows / kTile) + block_row] = scale[0];
-  }
-  __syncthreads();
+    __syncthreads();
 
-  // 3. Write: chunk j of the e4m3 tile is bytes [16 (j % 8), +16) of column j / 8's 128 rows.
-  uint4* q_tile = q_t + int64_t(col0) * (rows / 16) + block_row * (kTile / 16);  // the tile's first line
+    // 3. Write: chunk j of the e4m3 tile is bytes [16 (j % 8), +16) of column j / 8's 128 rows.
+    uint4* q_tile = q_t + int64_t(col0) * (rows / 16) + block_row * (kTile / 16);  // the tile's first line
 #pragma unroll
-  for (int i = 0; i < kOutChunks; ++i) {
-    const int j = i * kThreads + int(threadIdx.x), column = j / (kTile / 16);
-    q_tile[int64_t(column) * (rows / 16) + j % (kTile / 16)] = *out_chunk(column, j % (kTile / 16));
+    for (int i = 0; i < kOutChunks; ++i) {
+      const int j = i * kThreads + int(threadIdx.x), column = j / (kTile / 16);
+      q_tile[int64_t(column) * (rows / 16) + j % (kTile / 16)] = *out_chunk(column, j % (kTile / 16));
+    }
+    tile += stride;
   }
 }
 
@@ -213,27 +262,32 @@ extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
   }
   const int64_t rows = routing::pool_rows(*plan);
   if (rows == 0) return MEGAMOE_OK;
-  const dim3 grid(unsigned(rows / kTile), unsigned(a.cols / kTile));
+  int device = 0, sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t max_tiles = rows / kTile * (a.cols / kTile);  // the live blocks' tiles are at most these
+  const int grid = int(std::min<int64_t>(max_tiles, int64_t(sms) * kCtasPerSm));
   const auto s = static_cast<cudaStream_t>(stream);
-  const auto* src = static_cast<const uint4*>(a.src);
+  const auto* src = static_cast<const uint8_t*>(a.src);
   auto* q_t = static_cast<uint4*>(a.q_t);
-  const int32_t* slot_to_route = tokens ? plan->slot_to_route : nullptr;
   const cutlass::FastDivmod top_k(plan->shape.top_k);
   const int64_t scale_rows = tokens ? int64_t(plan->shape.num_tokens) : rows;
-  const auto run = [&](auto in_blocks, auto e4m3_src) {
-    transpose_quantize<decltype(in_blocks)::value, decltype(e4m3_src)::value><<<grid, kThreads, 0, s>>>(
-        src, a.src_scales, q_t, a.scales, plan->num_blocks, slot_to_route, top_k, rows, scale_rows, a.cols);
+  const auto run = [&](auto in_blocks, auto e4m3_src, auto token_rows) -> int {
+    const auto kernel = transpose_quantize<decltype(in_blocks)::value, decltype(e4m3_src)::value,
+                                           decltype(token_rows)::value>;
+    const int smem = SourceTile<decltype(e4m3_src)::value>::kSmemBytes;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, kThreads, smem, s>>>(src, a.src_scales, q_t, a.scales, plan->num_blocks, plan->slot_to_route,
+                                        top_k, rows, scale_rows, a.cols);
+    return MEGAMOE_OK;
   };
-  const bool in_blocks = a.blocks == MEGAMOE_FP8_IN_BLOCKS;
-  if (in_blocks && e4m3) {
-    run(std::true_type{}, std::true_type{});
-  } else if (in_blocks) {
-    run(std::true_type{}, std::false_type{});
-  } else if (e4m3) {
-    run(std::false_type{}, std::true_type{});
-  } else {
-    run(std::false_type{}, std::false_type{});
-  }
+  // The runtime choices as the kernel's template arguments.
+  const auto with = [](bool value, auto next) { return value ? next(std::true_type{}) : next(std::false_type{}); };
+  MEGAMOE_RETURN_IF_ERROR(with(a.blocks == MEGAMOE_FP8_IN_BLOCKS, [&](auto in_blocks) {
+    return with(e4m3, [&](auto e4m3_src) {
+      return with(tokens, [&](auto token_rows) { return run(in_blocks, e4m3_src, token_rows); });
+    });
+  }));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
