@@ -50,8 +50,10 @@ template <bool E4m3>
 struct SourceTile {
   static constexpr int kRowBytes = E4m3 ? kTile : 2 * kTile;
   static constexpr int kUnitsPerRow = kRowBytes / 16;
-  static constexpr int kUnitsPerThread = kTile * kUnitsPerRow / kThreads;  // 4 or 8
-  static constexpr int kRowsPerPass = kThreads / kUnitsPerRow;
+  // Step 1 copies a row by 8 threads (bf16: two units each), so a thread holds the routes of 4 rows.
+  static constexpr int kCopyThreadsPerRow = 8;
+  static constexpr int kCopyRowsPerPass = kThreads / kCopyThreadsPerRow;
+  static constexpr int kCopyRows = kTile / kCopyRowsPerPass;
   static constexpr int kBytes = kTile * kRowBytes;
   static_assert(kBytes >= kTile * kTile, "the e4m3 tile fits where its source was");
   // Shared memory: the buffers, each with its rows' scales (e4m3), then the column amaxes' exchange.
@@ -86,18 +88,19 @@ transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ sr
   int tile = int(blockIdx.x);
   if (tile >= tiles) return;
 
-  // Step 1. Thread t copies unit t % kUnitsPerRow of rows t / kUnitsPerRow + kRowsPerPass i. For
-  // token rows `routes` holds those rows' routes for the next tile to copy; a source row of -1 is a
-  // padding row. Source rows and offsets in 32 bits (routes and pool rows are int32), widened by
-  // one unsigned multiply per copy (a real row is >= 0).
-  const int unit = int(threadIdx.x) % Src::kUnitsPerRow;
+  // Step 1. Thread t copies units t % 8 + 8 j of rows t / 8 + 32 i. For token rows `routes` holds
+  // those rows' routes for the next tile to copy; a source row of -1 is a padding row. Source rows
+  // and offsets in 32 bits (routes and pool rows are int32), widened by one unsigned multiply per
+  // row (a real row is >= 0).
+  const int unit = int(threadIdx.x) % Src::kCopyThreadsPerRow;
   const int src_row_bytes = cols * (Src::kRowBytes / kTile);
-  int32_t routes[Tokens ? Src::kUnitsPerThread : 1];
+  int32_t routes[Tokens ? Src::kCopyRows : 1];
   const auto load_routes = [&](int t) {
     if constexpr (Tokens) {
 #pragma unroll
-      for (int i = 0; i < Src::kUnitsPerThread; ++i) {
-        routes[i] = slot_to_route[(t % live_blocks) * kTile + int(threadIdx.x) / Src::kUnitsPerRow + i * Src::kRowsPerPass];
+      for (int i = 0; i < Src::kCopyRows; ++i) {
+        routes[i] = slot_to_route[(t % live_blocks) * kTile + int(threadIdx.x) / Src::kCopyThreadsPerRow +
+                                  i * Src::kCopyRowsPerPass];
       }
     }
   };
@@ -105,15 +108,19 @@ transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ sr
     const int col_tile = t / live_blocks;
     const uint8_t* src_tile = src + col_tile * Src::kRowBytes + unit * 16;
 #pragma unroll
-    for (int i = 0; i < Src::kUnitsPerThread; ++i) {
-      const int row = int(threadIdx.x) / Src::kUnitsPerRow + i * Src::kRowsPerPass;
+    for (int i = 0; i < Src::kCopyRows; ++i) {
+      const int row = int(threadIdx.x) / Src::kCopyThreadsPerRow + i * Src::kCopyRowsPerPass;
       int32_t src_row = (t % live_blocks) * kTile + row;
       if constexpr (Tokens) src_row = routes[i] >= 0 ? top_k.div(routes[i]) : -1;  // a multiply-high
       const bool real = src_row >= 0;
-      const auto* from = reinterpret_cast<const cute::uint128_t*>(
-          real ? src_tile + uint64_t(uint32_t(src_row)) * uint32_t(src_row_bytes) : src);
-      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-          *from, *reinterpret_cast<cute::uint128_t*>(buffer(b) + row * Src::kRowBytes + ((unit ^ (row % 8)) * 16)), real);
+      const uint8_t* from = real ? src_tile + uint64_t(uint32_t(src_row)) * uint32_t(src_row_bytes) : src;
+#pragma unroll
+      for (int j = 0; j < Src::kUnitsPerRow / Src::kCopyThreadsPerRow; ++j) {
+        const int u = unit + j * Src::kCopyThreadsPerRow;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(real ? from + j * Src::kCopyThreadsPerRow * 16 : src),
+            *reinterpret_cast<cute::uint128_t*>(buffer(b) + row * Src::kRowBytes + ((u ^ (row % 8)) * 16)), real);
+      }
       if constexpr (E4m3) {
         if (unit == 0) {
           const float* scale = real ? src_scales + int64_t(col_tile) * scale_rows + src_row : src_scales;
