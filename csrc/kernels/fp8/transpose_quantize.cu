@@ -85,6 +85,11 @@ transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ sr
   const auto row_scales = [&](int b) { return reinterpret_cast<float*>(buffer(b) + Src::kBytes); };
   const int live_blocks = *num_blocks;
   const int tiles = live_blocks * (cols / kTile);
+  // Tile t: row block t % live_blocks of column tile t / live_blocks (a column tile's row blocks in turn).
+  struct Coords {
+    int block_row, col_tile;
+  };
+  const auto coords = [&](int t) { return Coords{t % live_blocks, t / live_blocks}; };
   int tile = int(blockIdx.x);
   if (tile >= tiles) return;
 
@@ -99,18 +104,18 @@ transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ sr
     if constexpr (Tokens) {
 #pragma unroll
       for (int i = 0; i < Src::kCopyRows; ++i) {
-        routes[i] = slot_to_route[(t % live_blocks) * kTile + int(threadIdx.x) / Src::kCopyThreadsPerRow +
+        routes[i] = slot_to_route[coords(t).block_row * kTile + int(threadIdx.x) / Src::kCopyThreadsPerRow +
                                   i * Src::kCopyRowsPerPass];
       }
     }
   };
   const auto copy = [&](int t, int b) {
-    const int col_tile = t / live_blocks;
+    const auto [block_row, col_tile] = coords(t);
     const uint8_t* src_tile = src + col_tile * Src::kRowBytes + unit * 16;
 #pragma unroll
     for (int i = 0; i < Src::kCopyRows; ++i) {
       const int row = int(threadIdx.x) / Src::kCopyThreadsPerRow + i * Src::kCopyRowsPerPass;
-      int32_t src_row = (t % live_blocks) * kTile + row;
+      int32_t src_row = block_row * kTile + row;
       if constexpr (Tokens) src_row = routes[i] >= 0 ? top_k.div(routes[i]) : -1;  // a multiply-high
       const bool real = src_row >= 0;
       const uint8_t* from = real ? src_tile + uint64_t(uint32_t(src_row)) * uint32_t(src_row_bytes) : src;
@@ -131,25 +136,21 @@ transpose_quantize(const uint8_t* __restrict__ src, const float* __restrict__ sr
     }
   };
 
-  // The first kBuffers - 1 tiles' copies, one commit group per tile (empty past the last tile).
+  // The first tile's copy into buffer 0; each tile's copy is one commit group.
   const int stride = int(gridDim.x);
-#pragma unroll
-  for (int b = 0; b < kBuffers - 1; ++b) {
-    if (tile + b * stride < tiles) {
-      load_routes(tile + b * stride);
-      copy(tile + b * stride, b);
-    }
+  load_routes(tile);
+  copy(tile, 0);
+  cute::cp_async_fence();
+  if (tile + stride < tiles) load_routes(tile + stride);
+  for (int b = 0; tile < tiles; b ^= 1) {
+    const auto [block_row, col_tile] = coords(tile);
+    const int col0 = col_tile * kTile;
+    cute::cp_async_wait<0>();
+    __syncthreads();  // this tile is staged in buffer b, and the last tile's stores have read buffer b ^ 1
+    const int next = tile + stride;
+    if (next < tiles) copy(next, b ^ 1);
     cute::cp_async_fence();
-  }
-  if (tile + (kBuffers - 1) * stride < tiles) load_routes(tile + (kBuffers - 1) * stride);
-  for (int b = 0; tile < tiles; b = (b + 1) % kBuffers) {
-    const int block_row = tile % live_blocks, col_tile = tile / live_blocks, col0 = col_tile * kTile;
-    cute::cp_async_wait<kBuffers - 2>();
-    __syncthreads();  // this tile is staged in buffer b, and the last tile's stores have read the buffer refilled next
-    const int ahead = tile + (kBuffers - 1) * stride;
-    if (ahead < tiles) copy(ahead, (b + kBuffers - 1) % kBuffers);
-    cute::cp_async_fence();
-    if (ahead + stride < tiles) load_routes(ahead + stride);  // in flight while this tile is quantised
+    if (next + stride < tiles) load_routes(next + stride);  // in flight while this tile is quantised
 
     // 2. Quantise: this thread's 32 rows of its two columns, held as bf16 pairs.
     const int pair = int(threadIdx.x) % (kTile / 2);
