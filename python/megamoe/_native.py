@@ -50,7 +50,8 @@ RoutingPlan = _struct("megamoe_routing_plan", *((name, _ptr) for name in (
     "expert_counts", "expert_offsets", "compact_offsets", "route_to_slot", "slot_to_route", "block_expert",
     "num_blocks", "num_invalid", "workspace")), ("shape", RoutingShape), ("num_invalid_host", _ptr))
 DispatchFp8Args = _struct("megamoe_dispatch_fp8_args", ("x", _ptr), ("pool", _ptr), ("pool_scales", _ptr),
-                          ("hidden", _i32), ("weights", _ptr), ("weights_pool", _ptr))
+                          ("hidden", _i32), ("weights", _ptr), ("weights_pool", _ptr), ("rows", _ptr),
+                          ("row_scales", _ptr))
 DispatchArgs = _struct("megamoe_dispatch_args", ("x", _ptr), ("pool", _ptr), ("weights", _ptr),
                        ("weights_pool", _ptr), ("row_bytes", _i32), ("x_stride", _i32))
 CombineArgs = _struct("megamoe_combine_args", ("routed", _ptr), ("topk_weights", _ptr), ("y", _ptr),

@@ -36,19 +36,26 @@ def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None
     return pool if weights is None else (pool, weights_pool)
 
 
-def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def dispatch_fp8(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                 token_rows: bool = False) -> tuple[torch.Tensor, ...]:
     """bf16 rows [T, H] quantised once per token (1 x 128 block FP8, megamoe.fp8) and dispatched in one
     pass: (e4m3 pool [pool rows, H], scales [H / 128, pool rows], the layout the FP8 GEMMs read);
-    padding rows are 0 with scale 0. With weights [T, K], (pool, scales, p [pool rows] fp32), p as
-    dispatch gives it."""
-    pool = torch.empty(plan.pool_rows, rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device)
-    scales = torch.empty(rows.shape[1] // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
+    padding rows are 0 with scale 0. With weights [T, K], p [pool rows] fp32 follows, as dispatch gives
+    it; with token_rows, the quantised rows once in token order follow last (e4m3 [T, H], scales
+    [H / 128, T]: what fp8.quantize_rows makes of rows)."""
+    hidden = rows.shape[1]
+    pool = torch.empty(plan.pool_rows, hidden, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(hidden // fp8.BLOCK, pool.shape[0], dtype=torch.float32, device=rows.device)
     weights, weights_pool = _weights_pool(plan, weights)
+    quantized = (torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=rows.device),
+                 torch.empty(hidden // fp8.BLOCK, rows.shape[0], dtype=torch.float32, device=rows.device)
+                 ) if token_rows else (None, None)
     _native.call("megamoe_dispatch_fp8", "FP8 dispatch", plan.native(),
-                 _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), rows.shape[1],
-                                         _native.address(weights), _native.address(weights_pool)),
+                 _native.DispatchFp8Args(rows.data_ptr(), pool.data_ptr(), scales.data_ptr(), hidden,
+                                         _native.address(weights), _native.address(weights_pool),
+                                         *(_native.address(t) for t in quantized)),
                  _native.stream(rows.device))
-    return (pool, scales) if weights is None else (pool, scales, weights_pool)
+    return (pool, scales) + ((weights_pool,) if weights is not None else ()) + (quantized if token_rows else ())
 
 
 def _weights_pool(plan: RoutingPlan, weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

@@ -47,7 +47,7 @@ from . import _native, fp8
 from .activation import check_activation
 from .exchange import combine, dispatch, dispatch_fp8
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm_scatter,
-                   grouped_gemm_scatter_fp8, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
+                   grouped_gemm_scatter_fp8, recompute_z, reduce_dp, transpose_quantize, weight_grad, weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, plan_buffer_size, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision, is_plain_tensor, main_grad_of
 
@@ -169,8 +169,8 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    # In FP8, dh reads dy in e4m3 (dispatched with p below) and the weight gradients read dy's and x's
-    # token rows: no bf16 pools.
+    # In FP8, dh reads dy in e4m3 (dispatched with p below) and the weight gradients read dy's (e4m3) and
+    # x's token rows: no bf16 pools.
     if not fp8_backward:
         dy_pool, p_pool = dispatch(plan, dy, topk_weights)
     if z.numel() == 0:  # recompute: z in the forward's precision (in bf16 its pool of x serves dW13 too)
@@ -186,10 +186,13 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             x_pool = None if fp8_backward else pool
             del pool
     if fp8_backward:
-        *dy_pool, p_pool = dispatch_fp8(plan, dy, topk_weights)  # e4m3 rows and their scales, for dh and dW2
+        # e4m3 rows and their scales: the pool for dh, and the token rows once for dW2's transposed dy
+        dy_q, dy_scales, p_pool, *dy_rows = dispatch_fp8(plan, dy, topk_weights, token_rows=need_dw2)
         w2t, w2t_scales = fp8.transposed_weight(w2)
         # dz for dx, and dz and hp transposed for the weight gradients: each freed once read
-        dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(*dy_pool, w2t, w2t_scales, z, p_pool, plan, activation)
+        dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(dy_q, dy_scales, w2t, w2t_scales, z, p_pool, plan,
+                                                                activation)
+        del dy_q, dy_scales
     else:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
     if free_z:
@@ -204,10 +207,12 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             dw2 = w2.new_empty(w2.shape)
         out = dw2 if main_grad2 is None else main_grad2
         if fp8_backward:
-            weight_grad_fp8(dy_pool[0], hp, plan, out, a_row_scales=dy_pool[1])
+            dy_t = transpose_quantize(dy_rows[0], plan, in_blocks=False, tokens=True, src_scales=dy_rows[1])
+            weight_grad_fp8(dy_t, hp, plan, out)
+            del dy_t
         else:
             weight_grad(dy_pool, hp, plan, out)
-    del dy_pool, hp
+    dy_pool = dy_rows = hp = None  # freed before dx needs its per-route rows
     if need_dx:
         routed = _routed(plan, x)
         if fp8_backward:

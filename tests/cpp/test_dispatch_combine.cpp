@@ -202,7 +202,13 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.weights_pool = reinterpret_cast<float*>(a.pool); },
            "weights and weights_pool go together (both null, or both set)"},
           {[](auto& pl, auto&) { pl.slot_to_route = nullptr; }, fp8_null},
-          {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x and pool must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.pool = check_buf + 8; }, "x, pool and rows must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.rows = check_buf; }, "rows and row_scales go together (both null, or both set)"},
+          {[](auto&, auto& a) {
+             a.rows = check_buf + 8;
+             a.row_scales = reinterpret_cast<float*>(check_buf);
+           },
+           "x, pool and rows must be 16-byte aligned"},
       });
 
   const char* combine_null = "routed, y and the plan's route_to_slot must be non-null";

@@ -72,7 +72,8 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     """One pass (megamoe_dispatch_fp8) gives the bytes of the row quantisation followed by the
     dispatch of the e4m3 rows and of their scales, padding rows (zeros, scale 0) included; a NaN
     keeps its whole 1 x 128 block non-finite, as the row kernel does. With the routes' weights it
-    also gives each pool row's weight, as the bf16 dispatch does (0 on padding rows)."""
+    also gives each pool row's weight, as the bf16 dispatch does (0 on padding rows); asked for the
+    token rows, the row quantisation's bytes too, and the pool the same."""
     tokens, experts = 300, 8
     ids, weights = make_routing(tokens, experts, 2, "skewed", generator=torch.Generator().manual_seed(3))
     ids[5, 1] = -1  # a masked route
@@ -92,6 +93,13 @@ def test_the_fp8_dispatch_equals_quantising_then_dispatching(hidden):
     assert torch.equal(pool_w[:live].view(torch.uint8), pool[:live].view(torch.uint8))
     assert torch.equal(scales_w[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
     assert torch.equal(p[:live], want_p[:live]) and (p[:live][plan.slot_to_route[:live] < 0] == 0).all()
+    pool_r, scales_r, p_r, rows, row_scales = dispatch_fp8(plan, x, weights.cuda(), token_rows=True)
+    q_rows, q_row_scales = fp8.quantize_rows(x)
+    assert torch.equal(rows.view(torch.uint8), q_rows.view(torch.uint8))
+    assert torch.equal(row_scales.view(torch.int32), q_row_scales.view(torch.int32))
+    assert torch.equal(pool_r[:live].view(torch.uint8), pool[:live].view(torch.uint8))
+    assert torch.equal(scales_r[:, :live].view(torch.int32), scales[:, :live].view(torch.int32))
+    assert torch.equal(p_r[:live], p[:live])
     slot = int(plan.route_to_slot[9, 0])
     assert scales[-1, slot].isnan()
     if hidden > fp8.BLOCK:  # the NaN's block only: the row's first block is another one

@@ -104,7 +104,9 @@ int megamoe_combine_bf16(const megamoe_routing_plan* plan, const megamoe_combine
 // scale of block b of x[t]; the padding rows of the live blocks get zeros and scale 0, rows past the
 // live blocks are not touched. The same bytes as quantising x, then dispatching its rows and scales.
 // With weights, weights_pool[slot] = the route's weight, 0 on padding rows (the backward's p, as
-// megamoe_dispatch_bf16 dispatches it beside dy's rows).
+// megamoe_dispatch_bf16 dispatches it beside dy's rows). With rows, each token's quantised row is
+// stored once more in token order: rows[t] and row_scales[b, t], what megamoe_quantize_rows_fp8
+// makes of x.
 typedef struct {
   const void* x;        // [T, hidden] bf16
   void* pool;           // [max_blocks * 128, hidden] e4m3
@@ -112,6 +114,8 @@ typedef struct {
   int32_t hidden;       // a multiple of 128
   const float* weights; // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;  // [max_blocks * 128] fp32, or null
+  void* rows;           // [T, hidden] e4m3, or null (then row_scales is null too)
+  float* row_scales;    // [hidden / 128, T] fp32, or null
 } megamoe_dispatch_fp8_args;
 
 int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const megamoe_dispatch_fp8_args* args, void* stream);

@@ -112,28 +112,32 @@ dispatch_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict__ pool,
 }
 
 // x [T, hidden] bf16 -> pool [rows, hidden] e4m3 and pool_scales [hidden / 128, rows]: each token row
-// quantised once (quantize_row.cuh), then stored to its K slots; weights (or null) as dispatch_rows.
+// quantised once (quantize_row.cuh), then stored to its K slots, and to token_rows / token_scales
+// ([T, hidden], [hidden / 128, T]) where those are not null; weights (or null) as dispatch_rows.
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dispatch_rows_fp8(const Bf16x8* __restrict__ x, uint2* __restrict__ pool, float* __restrict__ pool_scales,
                   const int32_t* __restrict__ route_to_slot, const int32_t* __restrict__ slot_to_route,
                   const int32_t* __restrict__ num_blocks, const float* __restrict__ weights,
-                  float* __restrict__ weights_pool, int64_t num_tokens, int64_t max_rows, int32_t top_k,
-                  int32_t vecs_per_row) {
+                  float* __restrict__ weights_pool, uint2* __restrict__ token_rows, float* __restrict__ token_scales,
+                  int64_t num_tokens, int64_t max_rows, int32_t top_k, int32_t vecs_per_row) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerCta;
   const int64_t first_warp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   for (int64_t t = first_warp; t < num_tokens; t += warps) {
     for (int pass = 0; pass < vecs_per_row; pass += 32 * fp8::kRowChunksPerLane) {
       const fp8::RowPass quantised = fp8::quantize_row_pass(x + t * vecs_per_row, vecs_per_row, pass);
-      for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) {
+      // The pass's chunks as row `row` of `rows`, their scales as column `row` of `scales` [.., columns].
+      const auto store = [&](uint2* rows, float* scales, int64_t row, int64_t columns) {
 #pragma unroll
         for (int i = 0; i < fp8::kRowChunksPerLane; ++i) {
           const int c = pass + 32 * i + lane;
           if (c >= vecs_per_row) break;
-          pool[slot * vecs_per_row + c] = quantised.q[i];
-          if (lane % 16 == 0) pool_scales[int64_t(c / 16) * max_rows + slot] = quantised.scale[i];
+          rows[row * vecs_per_row + c] = quantised.q[i];
+          if (lane % 16 == 0) scales[int64_t(c / 16) * columns + row] = quantised.scale[i];
         }
-      });
+      };
+      if (token_rows != nullptr) store(token_rows, token_scales, t, num_tokens);
+      for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) { store(pool, pool_scales, slot, max_rows); });
     }
   }
   if (weights_pool != nullptr) {  // a loop of its own: inside the rows' loop it made that loop spill
@@ -231,15 +235,20 @@ extern "C" int megamoe_dispatch_fp8(const megamoe_routing_plan* plan, const mega
   if ((a.weights == nullptr) != (a.weights_pool == nullptr)) {
     return invalid_argument(fn + "weights and weights_pool go together (both null, or both set)");
   }
-  if (!aligned16(a.x) || !aligned16(a.pool)) return invalid_argument(fn + "x and pool must be 16-byte aligned");
+  if ((a.rows == nullptr) != (a.row_scales == nullptr)) {
+    return invalid_argument(fn + "rows and row_scales go together (both null, or both set)");
+  }
+  if (!aligned16(a.x) || !aligned16(a.pool) || !aligned16(a.rows)) {
+    return invalid_argument(fn + "x, pool and rows must be 16-byte aligned");
+  }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
   int grid = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid(std::max(num_tokens, (max_rows + 31) / 32), &grid));
   dispatch_rows_fp8<<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream_handle)>>>(
       static_cast<const Bf16x8*>(a.x), static_cast<uint2*>(a.pool), a.pool_scales, plan->route_to_slot,
-      plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, num_tokens, max_rows, plan->shape.top_k,
-      a.hidden / kBf16PerVec);
+      plan->slot_to_route, plan->num_blocks, a.weights, a.weights_pool, static_cast<uint2*>(a.rows), a.row_scales,
+      num_tokens, max_rows, plan->shape.top_k, a.hidden / kBf16PerVec);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return MEGAMOE_OK;
 }
