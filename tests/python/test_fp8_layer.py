@@ -104,6 +104,24 @@ def test_fused_fp8_is_deterministic_and_recompute_keeps_the_gradients(precision)
 
 
 @requires_cuda
+@pytest.mark.parametrize("precision", FP8_PRECISIONS)
+def test_fp8_dw2_is_the_same_from_dys_token_rows_and_from_its_pool(precision, monkeypatch):
+    """dW2's transposed dy is gathered from dy's e4m3 token rows where they fit in L2, else made from
+    its pool: the same bytes either way, so every output and gradient is bitwise the same."""
+    x, ids, weights, w13, w2 = edge_case_inputs("skewed", SMALL, "cuda")
+    dy = torch.randn_like(x)
+    runs = []
+    for fits in (True, False):
+        monkeypatch.setattr(megamoe.fused, "_fits_in_l2", lambda nbytes, device, fits=fits: fits)
+        inputs = [leaf(t) for t in (x, weights, w13, w2)]
+        y = _fused(precision, "swiglu", inputs, ids, False)
+        y.backward(dy)
+        runs.append([y] + [t.grad for t in inputs])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
 def test_fused_fp8_non_finite_rows_stay_in_their_rows():
     x, ids, weights, w13, w2 = edge_case_inputs("balanced", SMALL, "cuda")
     x[7, 3] = float("nan")
