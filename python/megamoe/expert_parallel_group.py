@@ -67,7 +67,8 @@ from .activation import check_activation
 from .exchange import combine_from_owners, pointer_table, pool_scales, pull_rows
 from .fused import autograd_backward
 from .gemm import (empty_z, gated_backward, gated_backward_fp8, gated_gemm, gated_gemm_fp8, grouped_gemm,
-                   grouped_gemm_fp8, grouped_gemm_scatter, recompute_z, reduce_dp, weight_grad, weight_grad_fp8)
+                   grouped_gemm_fp8, grouped_gemm_scatter, recompute_z, reduce_dp, transpose_quantize, weight_grad,
+                   weight_grad_fp8)
 from .routing import RoutingPlan, build_routing, pool_capacity
 from .validation import IdRangeCheck, check_fused_precision
 
@@ -389,7 +390,7 @@ def owner_backward(x_pool, dy_pool, p_pool, w13, w2, plan, dx_pool, dw13, dw2, a
         w13t, w13t_scales = fp8.transposed_weight(w13)
         grouped_gemm_fp8(*dh.dz_rows, w13t, w13t_scales, plan, out=dx_pool)
         weight_grad_fp8(dh.dz_t, x_bf16, plan, dw13)
-        weight_grad_fp8(dy_fp8[0], dh.hp_t, plan, dw2, a_row_scales=dy_fp8[1])
+        weight_grad_fp8(transpose_quantize(dy_fp8[0], plan, in_blocks=False, src_scales=dy_fp8[1]), dh.hp_t, plan, dw2)
         dp_partial = dh.dp_partial
     return reduce_dp(dp_partial, plan)
 

@@ -252,15 +252,13 @@ def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, to
 
 
 def weight_grad_fp8(a: torch.Tensor | FP8Pair, b: torch.Tensor | FP8Pair, plan: RoutingPlan,
-                    out: torch.Tensor, b_tokens: bool = False, a_row_scales: torch.Tensor | None = None) -> None:
+                    out: torch.Tensor, b_tokens: bool = False) -> None:
     """weight_grad in block FP8: a [rows, M] in 1 x 128 blocks along the rows (one scale per column
     and 128 rows: dy, dz), b [rows, N] in 128 x 128 blocks (p·h, x), each transposed for the K-major
-    FP8 tensor cores (transpose_quantize; b_tokens: b is token rows, gathered by the plan;
-    a_row_scales: a is e4m3 rows with these scales, dy as dh reads it; a or b may also be given as the
-    pair transpose_quantize would make of it, dz and hp as dh makes them); fp32 sums of each 128-deep
-    k-block's products."""
-    a_t, a_scales = a if isinstance(a, tuple) else transpose_quantize(a, plan, in_blocks=False,
-                                                                       src_scales=a_row_scales)
+    FP8 tensor cores (transpose_quantize; b_tokens: b is token rows, gathered by the plan; a or b may
+    also be given as the pair transpose_quantize makes of it: dz and hp as dh makes them, dy from its
+    e4m3 rows); fp32 sums of each 128-deep k-block's products."""
+    a_t, a_scales = a if isinstance(a, tuple) else transpose_quantize(a, plan, in_blocks=False)
     b_t, b_scales = b if isinstance(b, tuple) else transpose_quantize(b, plan, in_blocks=True, tokens=b_tokens)
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _native.call("megamoe_grouped_weight_grad_fp8", "FP8 weight gradient", plan.native(),
