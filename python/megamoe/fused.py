@@ -169,7 +169,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     x_pool = x_pool if x_pool.numel() else None
     dy = dy.contiguous()
     fp8_backward = precision in ("fp8", "fp8_bwd")
-    # In FP8, dh reads dy in e4m3 (dispatched with p below) and the weight gradients read dy's (e4m3) and
+    # In FP8, dh reads dy in e4m3 (dispatched with p below), dW2 dy's e4m3 token rows or pool and dW13
     # x's token rows: no bf16 pools.
     if not fp8_backward:
         dy_pool, p_pool = dispatch(plan, dy, topk_weights)
