@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/device.h"
 #include "common/status.h"
 #include "routing/routing.h"
 
@@ -46,9 +47,8 @@ extern "C" int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe
   if (a.dp_partial == nullptr || plan->route_to_slot == nullptr || a.dp == nullptr) {
     return invalid_argument(fn + "dp_partial, dp and the plan's route_to_slot must be non-null");
   }
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(current_sm_count(&sms));
   const int grid = int(std::min<int64_t>(int64_t(sms) * 8, (num_routes + kThreadsPerCta - 1) / kThreadsPerCta));
   dp_reduce_routes<<<grid, kThreadsPerCta, 0, static_cast<cudaStream_t>(stream)>>>(
       a.dp_partial, plan->route_to_slot, a.dp, num_routes, MEGAMOE_DP_PARTIAL_COLS(a.intermediate),

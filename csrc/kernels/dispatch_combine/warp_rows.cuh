@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/device.h"
 #include "common/status.h"
 #include "common/vec16.cuh"
 #include "routing/routing.h"
@@ -17,9 +18,8 @@ constexpr int kWarpsPerCta = 8;
 
 // The grid for `warps` warps, at most 8 CTAs per SM (the warps then stride over the rest).
 inline int warp_grid(int64_t warps, int* grid) {
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(current_sm_count(&sms));
   *grid = int(std::min<int64_t>(int64_t(sms) * 8, (warps + kWarpsPerCta - 1) / kWarpsPerCta));
   return MEGAMOE_OK;
 }

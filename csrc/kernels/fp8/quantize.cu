@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/device.h"
 #include "common/status.h"
 #include "common/vec16.cuh"
 #include "kernels/fp8/quantize_row.cuh"
@@ -132,9 +133,8 @@ int row_grid(const std::string& fn, const void* a, int a_alignment, const void* 
     return invalid_argument(fn + "the bf16 rows must be " + std::to_string(a_alignment) + "-byte and the e4m3 rows " +
                             std::to_string(q_alignment) + "-byte aligned");
   }
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(current_sm_count(&sms));
   *grid = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * 16, (warps + kWarpsPerCta - 1) / kWarpsPerCta)));
   return MEGAMOE_OK;
 }

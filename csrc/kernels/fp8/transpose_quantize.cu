@@ -29,6 +29,7 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cutlass/fast_math.h>
 
+#include "common/device.h"
 #include "common/status.h"
 #include "kernels/fp8/e4m3.cuh"
 #include "megamoe/megamoe.h"
@@ -270,9 +271,8 @@ extern "C" int megamoe_transpose_quantize_fp8(const megamoe_routing_plan* plan,
   }
   const int64_t rows = routing::pool_rows(*plan);
   if (rows == 0) return MEGAMOE_OK;
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(current_sm_count(&sms));
   const int64_t max_tiles = rows / kTile * (a.cols / kTile);  // the live blocks' tiles are at most these
   const int grid = int(std::min<int64_t>(max_tiles, int64_t(sms) * kCtasPerSm));
   const auto s = static_cast<cudaStream_t>(stream);

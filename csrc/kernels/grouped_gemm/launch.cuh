@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/device.h"
 #include "common/status.h"
 #include "kernels/grouped_gemm/kernel.cuh"
 #include "kernels/grouped_gemm/problem.h"
@@ -25,9 +26,8 @@ int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Param
            const typename Sched::Params& sched, void* stream, const typename Epi::Cfg::MainloopParams& mainloop = {}) {
   using Cfg = typename Epi::Cfg;
   auto kernel = grouped_gemm_kernel<Epi, Sched>;
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(current_sm_count(&sms));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int64_t max_tiles = Sched::max_tiles(sched);
