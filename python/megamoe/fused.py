@@ -194,7 +194,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         # dz for dx, and dz and hp transposed for the weight gradients: each freed once read
         dz_fp8, dz_t, hp, dp_partial, _, _ = gated_backward_fp8(dy_q, dy_scales, w2t, w2t_scales, z, p_pool, plan,
                                                                 activation)
-        dy_source = (*dy_rows, True) if token_rows else (dy_q, dy_scales, False)  # values, scales, token rows
+        dy_source = dy_rows if token_rows else (dy_q, dy_scales)  # e4m3 values and scales
         del dy_q, dy_scales, dy_rows
     else:
         dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
@@ -210,9 +210,9 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             dw2 = w2.new_empty(w2.shape)
         out = dw2 if main_grad2 is None else main_grad2
         if fp8_backward:
-            values, scales, tokens = dy_source
-            weight_grad_fp8(transpose_quantize(values, plan, in_blocks=False, tokens=tokens, src_scales=scales), hp,
-                            plan, out)
+            values, scales = dy_source
+            weight_grad_fp8(transpose_quantize(values, plan, in_blocks=False, tokens=token_rows, src_scales=scales),
+                            hp, plan, out)
             del values, scales
         else:
             weight_grad(dy_pool, hp, plan, out)
