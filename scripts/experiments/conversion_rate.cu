@@ -1,8 +1,9 @@
 // How many fp32 → bf16x2 and fp32 → e4m3x2 conversions (cvt.rn.bf16x2.f32, cvt.rn.satfinite.e4m3x2.f32)
 // an SM retires per clock, beside FFMA: the rate that bounds the epilogues' packing and quantising.
-// Every SM runs 32 warps of 8 independent chains; each chain feeds a conversion's output back as its
-// next input, so the loop holds nothing else (e4m3x2 adds one PRMT, on another pipe, to widen its 16
-// bits). Prints thread-level instructions per clock per SM, read from clock64 on SM 0's CTA.
+// One CTA per SM (each asks for all the shared memory a CTA may have), 32 warps of 8 independent
+// chains; each chain feeds a conversion's output back as its next input, so the loop holds nothing
+// else (e4m3x2 adds one PRMT, on another pipe, to widen its 16 bits). Prints thread-level
+// instructions per clock per SM, read from clock64 in CTA 0.
 // Built with the tests (CMakeLists.txt): <build dir>/conversion_rate
 #include <cuda_runtime.h>
 
@@ -61,7 +62,10 @@ void check(cudaError_t e, const char* what) {
 
 template <Op kOp>
 double per_clock(int sms, float* sink, long long* cycles) {
-  chains<kOp><<<sms, kThreads>>>(sink, cycles);
+  int smem = 0;  // unused, but it keeps a second CTA off the SM
+  check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), "shared memory limit");
+  check(cudaFuncSetAttribute(chains<kOp>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "shared memory");
+  chains<kOp><<<sms, kThreads, smem>>>(sink, cycles);
   check(cudaDeviceSynchronize(), "chains");
   long long c = 0;
   check(cudaMemcpy(&c, cycles, sizeof c, cudaMemcpyDeviceToHost), "cudaMemcpy");
