@@ -74,10 +74,21 @@ def build_model(config: Config, device: torch.device, ep: ExpertParallel | None 
     patch_hf_model(model, backend=config.moe.backend, precision=config.moe.precision, recompute=recompute,
                    group=None if ep is None else ep.group)
     if checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     elif checkpointing == "moe" and not fused_recompute:
         recompute_experts(model)
     return model.train()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Every decoder layer checkpointed (non-reentrant), by the name transformers gives it:
+    `activation_checkpointing_enable` since 5.24, `gradient_checkpointing_enable` before (deprecated
+    there, to be removed in 6)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def recompute_experts(model: torch.nn.Module) -> None:
