@@ -222,7 +222,7 @@ GENERIC_SIZES = dict(vocab_size=128, hidden_size=128, intermediate_size=256, moe
                      max_position_embeddings=64, pad_token_id=0, first_k_dense_replace=1, num_dense_layers=1,
                      mlp_only_layers=[0], enable_moe_block=True, n_group=1, topk_group=1, router_jitter_noise=0.0,
                      input_jitter_noise=0.0, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
-                     v_head_dim=32)
+                     v_head_dim=32, index_num_heads=1)
 # Expert counts, set where the config's default is a count or None (no experts unless given).
 GENERIC_EXPERTS = {8: ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
                    2: ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "top_k_experts")}
