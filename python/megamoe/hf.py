@@ -31,8 +31,7 @@ from .validation import FLOAT_DTYPES, check_options, group_rank_and_size
 # The decorator's flags that mark an experts module, with the values of megamoe's layout.
 _EXPECTED_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
 # Flags of later transformers versions (absent means False); a True one changes the computation.
-_UNSUPPORTED_FLAGS = {"has_post_expert_norm": "a norm after each expert", "_is_expert_parallel": "transformers' own "
-                      "expert parallelism (ids of other ranks' experts)"}
+_UNSUPPORTED_FLAGS = {"has_post_expert_norm": "a norm after each expert"}
 # transformers' activation names (ACT2CLS) -> megamoe's gated activation (megamoe.activation.ACTIVATIONS).
 HF_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 # An experts module's act_fn may be torch's function itself rather than ACT2FN's module (LFM2-MoE).
@@ -196,6 +195,8 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     (r + 1) E/W): its gate_up_proj and down_proj become Parameters of those experts (the others' memory
     is freed; expert_parallel_parameters lists them), and the router's global ids reach their owners
     through `megamoe.moe(..., group=group)`. A module megamoe leaves alone keeps all its experts.
+    Experts that transformers itself splits (`DistributedConfig(ep_size=...)`) are served without a
+    group: each rank's experts under the token exchange of transformers' `ep_implementation`.
     """
     check_options(backend, precision, recompute, group=group)
     served, refused = experts_modules(model)
@@ -238,6 +239,9 @@ def _keep_local_experts(name: str, experts: nn.Module, group) -> None:
     """Makes `experts` hold this rank's E/W experts of `group` (nothing for group None), once: a module
     already split must be patched with a group of the same rank and size."""
     shard = (0, 1) if group is None else group_rank_and_size(group)
+    if group is not None and getattr(experts, "_is_expert_parallel", False):
+        raise ValueError(f"{name} is split by transformers' expert parallelism (DistributedConfig(ep_size=...)); "
+                         "patch it without group=: transformers' ep_implementation brings its experts their tokens")
     held = vars(experts).get(_SHARD, (0, 1))
     if held == shard:
         return
@@ -271,6 +275,10 @@ def _register(backend: str, precision: str, recompute: bool | str, group) -> str
             interface, original = _dispatch_of(type(experts), hf_moe)
             fallback = interface.get_interface(vars(experts).get(_FALLBACK, "eager"), original)
             return fallback(experts, hidden_states, top_k_index, top_k_weights)
+        if getattr(experts, "_is_expert_parallel", False):
+            # Split by transformers' expert parallelism: the ids are this rank's experts, and a route to
+            # another rank's expert carries the id num_experts (the local count) with weight 0.
+            top_k_index = top_k_index.masked_fill(top_k_index >= experts.gate_up_proj.shape[0], -1)
         return moe(hidden_states.contiguous(), top_k_index, top_k_weights, experts.gate_up_proj,
                    experts.down_proj, backend=backend, precision=precision, recompute=recompute,
                    activation=activation, group=group)
