@@ -26,6 +26,7 @@ from torch import nn
 
 from .activation import ACTIVATIONS, gated, swiglu_with_limit
 from .functional import moe
+from .hf_expert_parallel import exchange_tokens, split_by_transformers
 from .validation import FLOAT_DTYPES, check_options, group_rank_and_size
 
 # The decorator's flags that mark an experts module, with the values of megamoe's layout.
@@ -195,8 +196,11 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     (r + 1) E/W): its gate_up_proj and down_proj become Parameters of those experts (the others' memory
     is freed; expert_parallel_parameters lists them), and the router's global ids reach their owners
     through `megamoe.moe(..., group=group)`. A module megamoe leaves alone keeps all its experts.
-    Experts that transformers itself splits (`DistributedConfig(ep_size=...)`) are served without a
-    group: each rank's experts under the token exchange of transformers' `ep_implementation`.
+    Experts that transformers itself splits over its EP mesh (`DistributedConfig(ep_size=...)`) keep
+    its split. Without a group they run under the token exchange of transformers' `ep_implementation`;
+    with group (the mesh's ranks in order: dist.group.WORLD where ep_size is the world size, backend
+    "fused") megamoe exchanges their tokens instead, each rank sending its slice of a batch that its TP
+    ranks share.
     """
     check_options(backend, precision, recompute, group=group)
     served, refused = experts_modules(model)
@@ -207,7 +211,10 @@ def patch_hf_model(model: nn.Module, backend: str = "fused", precision: str = "b
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"pass the transformers model itself (a PreTrainedModel), not a {type(model).__name__}")
     for name, experts, _ in served:
-        _keep_local_experts(name, experts, group)
+        if split_by_transformers(experts):
+            exchange_tokens(name, experts, group, model)
+        else:
+            _keep_local_experts(name, experts, group)
     implementation = _register(backend, precision, recompute, group)
     for _, experts, _ in served + refused:  # what a module megamoe leaves alone keeps running
         if _FALLBACK not in vars(experts):
@@ -239,9 +246,6 @@ def _keep_local_experts(name: str, experts: nn.Module, group) -> None:
     """Makes `experts` hold this rank's E/W experts of `group` (nothing for group None), once: a module
     already split must be patched with a group of the same rank and size."""
     shard = (0, 1) if group is None else group_rank_and_size(group)
-    if group is not None and getattr(experts, "_is_expert_parallel", False):
-        raise ValueError(f"{name} is split by transformers' expert parallelism (DistributedConfig(ep_size=...)); "
-                         "patch it without group=: transformers' ep_implementation brings its experts their tokens")
     held = vars(experts).get(_SHARD, (0, 1))
     if held == shard:
         return
@@ -275,9 +279,9 @@ def _register(backend: str, precision: str, recompute: bool | str, group) -> str
             interface, original = _dispatch_of(type(experts), hf_moe)
             fallback = interface.get_interface(vars(experts).get(_FALLBACK, "eager"), original)
             return fallback(experts, hidden_states, top_k_index, top_k_weights)
-        if getattr(experts, "_is_expert_parallel", False):
-            # Split by transformers' expert parallelism: the ids are this rank's experts, and a route to
-            # another rank's expert carries the id num_experts (the local count) with weight 0.
+        if group is None and split_by_transformers(experts):
+            # Under transformers' token exchange the ids are this rank's experts, and a route to another
+            # rank's expert carries the id num_experts (the local count) with weight 0.
             top_k_index = top_k_index.masked_fill(top_k_index >= experts.gate_up_proj.shape[0], -1)
         return moe(hidden_states.contiguous(), top_k_index, top_k_weights, experts.gate_up_proj,
                    experts.down_proj, backend=backend, precision=precision, recompute=recompute,

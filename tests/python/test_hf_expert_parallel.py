@@ -1,7 +1,8 @@
 """patch_hf_model on a model that transformers itself splits over expert-parallel ranks
 (`DistributedConfig(ep_size=...)`): each rank's experts run through megamoe under the token exchange
 transformers chose, with the same loss, logits and gradients as the unpatched distributed model.
-Two processes over a gloo group, on the CPU, or on one GPU where transformers' accelerator is one."""
+Patched with the EP group, megamoe exchanges the tokens itself (backend "fused"). Two processes over a
+gloo group, on the CPU, or on one GPU where transformers' accelerator is one."""
 
 import os
 import warnings
@@ -15,8 +16,7 @@ import megamoe
 from megamoe.reference import relative_error
 from test_hf_patch import LAYERS, TOLERANCE, loss_logits_and_grads, tiny_config
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers' EP plan needs transformers >= 5.25")
+transformers = pytest.importorskip("transformers", minversion="5.25", reason="transformers' EP plan as of 5.25")
 pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
 
 WORLD = 2
@@ -26,6 +26,11 @@ LAYOUTS = {"shared batch, all_to_all": dict(ep_size=WORLD, tp_size=WORLD, tp_pla
            "shared batch, all_reduce": dict(ep_size=WORLD, tp_size=WORLD, tp_plan={}, ep_implementation="all_reduce"),
            "own batches, FSDP": dict(ep_size=WORLD, fsdp_size=WORLD)}
 ON_GPU = torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "cuda"
+# transformers' all-to-all (functional collectives) over gloo crashes the process where the model is
+# on a GPU (SIGSEGV in either model, megamoe's or not): that exchange is checked on the CPU.
+TRANSFORMERS_EXCHANGES = [pytest.param(name, marks=pytest.mark.skipif(
+    ON_GPU and name == "shared batch, all_to_all", reason="transformers' all-to-all over gloo on a GPU crashes"))
+    for name in LAYOUTS]
 # The baselines run wherever transformers puts the model; the fused kernels only on its GPU.
 BACKENDS = ["grouped", pytest.param("fused", marks=pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU"))]
 
@@ -34,23 +39,31 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _rank_matches_unpatched(rank, store, checkpoint, layout, backend, dtype):
+def _init(rank: int, store: str) -> None:
     # One GPU serves both ranks (transformers binds LOCAL_RANK's device); several, one each.
     local_rank = rank if torch.cuda.device_count() >= WORLD else 0
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(WORLD))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+
+
+def _load(checkpoint: str, layout: dict, dtype=torch.float32):
+    """The saved model under transformers' EP `layout`, without the Hub's kernels (which transformers
+    would otherwise fetch for its GPU layers)."""
     config = transformers.distributed.DistributedConfig(**layout)
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, dtype=dtype,
+                                                             use_kernels=False)
 
-    def load():  # without the Hub's kernels, which transformers would otherwise fetch for its GPU layers
-        return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, dtype=dtype,
-                                                                 use_kernels=False)
 
-    model, patched = load(), load()
+def _rank_matches_unpatched(rank, store, checkpoint, layout, backend, dtype, megamoe_exchange):
+    """This rank's loss, logits and gradients, patched (megamoe_exchange: patched with the EP group, so
+    megamoe moves the tokens) against the unpatched model under transformers' exchange."""
+    _init(rank, store)
+    model, patched = _load(checkpoint, layout, dtype), _load(checkpoint, layout, dtype)
     served, refused = megamoe.hf.experts_modules(patched)
     assert not refused and served and all(experts._is_expert_parallel for _, experts, _ in served)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every experts module is served
-        megamoe.patch_hf_model(patched, backend=backend)
+        megamoe.patch_hf_model(patched, backend=backend, group=dist.group.WORLD if megamoe_exchange else None)
     own_batch = "fsdp_size" in layout
     input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1 + rank * own_batch))
     input_ids = input_ids.to(model.device)
@@ -64,28 +77,59 @@ def _rank_matches_unpatched(rank, store, checkpoint, layout, backend, dtype):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_experts_split_by_transformers_match_unpatched(layout, backend, tmp_path):
-    dtype = torch.bfloat16 if backend == "fused" else torch.float32
+def _save_tiny_model(tmp_path, dtype=torch.float32) -> str:
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(tiny_config(hidden_size=128, num_hidden_layers=LAYERS[dtype]))
     model.save_pretrained(tmp_path / "checkpoint")
-    mp.spawn(_rank_matches_unpatched, nprocs=WORLD,
-             args=(str(tmp_path / "store"), str(tmp_path / "checkpoint"), LAYOUTS[layout], backend, dtype))
+    return str(tmp_path / "checkpoint")
 
 
-def _group_on_split_experts_raises(rank, store, checkpoint):
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    config = transformers.distributed.DistributedConfig(**LAYOUTS["shared batch, all_to_all"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, use_kernels=False)
-    with pytest.raises(ValueError, match="split by transformers' expert parallelism"):
-        megamoe.patch_hf_model(model, backend="fused", group=dist.group.WORLD)
+@pytest.mark.parametrize("layout", TRANSFORMERS_EXCHANGES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_split_by_transformers_match_unpatched(layout, backend, tmp_path):
+    dtype = torch.bfloat16 if backend == "fused" else torch.float32
+    mp.spawn(_rank_matches_unpatched, nprocs=WORLD, args=(str(tmp_path / "store"), _save_tiny_model(tmp_path, dtype),
+                                                          LAYOUTS[layout], backend, dtype, False))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["shared batch, all_reduce", "own batches, FSDP"])
+def test_tokens_exchanged_by_megamoe_match_unpatched(layout, tmp_path):
+    mp.spawn(_rank_matches_unpatched, nprocs=WORLD, args=(str(tmp_path / "store"), _save_tiny_model(
+        tmp_path, torch.bfloat16), LAYOUTS[layout], "fused", torch.bfloat16, True))
+
+
+def _bad_groups_raise(rank, store, checkpoint):
+    _init(rank, store)
+    own_rank = [dist.new_group([r]) for r in range(WORLD)][rank]  # every rank makes every group
+    model = _load(checkpoint, LAYOUTS["shared batch, all_to_all"])
+    with pytest.raises(ValueError, match=r"over the ranks \[0, 1\] \(its EP mesh\): group= must hold those ranks"):
+        megamoe.patch_hf_model(model, backend="fused", group=own_rank)
+    megamoe.patch_hf_model(model, backend="fused", group=dist.group.WORLD)
+    megamoe.patch_hf_model(model, backend="fused", group=dist.group.WORLD)  # the same group again
+    with pytest.raises(ValueError, match="patched with a group before"):
+        megamoe.patch_hf_model(model, backend="fused")
     dist.destroy_process_group()
 
 
-def test_megamoe_group_on_experts_split_by_transformers_raises(tmp_path):
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(tiny_config(num_hidden_layers=1)).save_pretrained(tmp_path / "checkpoint")
-    mp.spawn(_group_on_split_experts_raises, nprocs=WORLD, args=(str(tmp_path / "store"), str(tmp_path / "checkpoint")))
+def test_group_other_than_the_ep_mesh_or_changed_raises(tmp_path):
+    mp.spawn(_bad_groups_raise, nprocs=WORLD, args=(str(tmp_path / "store"), _save_tiny_model(tmp_path)))
+
+
+def _rows_split_and_gathered(rank, store):
+    _init(rank, store)
+    from megamoe.hf_expert_parallel import _AllRows, _OwnRows, _own_rows
+
+    batch = torch.arange(15.0).view(5, 3).requires_grad_()  # 5 rows: shares of 3 and 2 (+ 1 padding)
+    share = _OwnRows.apply(batch, dist.group.WORLD)
+    assert share.tolist() == (batch[:3] if rank == 0 else torch.cat([batch[3:], torch.zeros(1, 3)])).tolist()
+    assert _own_rows(torch.arange(5), dist.group.WORLD, fill=-1).tolist() == ([0, 1, 2] if rank == 0 else [3, 4, -1])
+    gathered = _AllRows.apply(share * (rank + 2), dist.group.WORLD, 5)
+    assert gathered.tolist() == (batch * torch.tensor([2.0] * 3 + [3.0] * 2)[:, None]).tolist()
+    gathered.sum().backward()  # each rank's share back, its gradient to every rank
+    assert batch.grad.tolist() == [[2.0] * 3] * 3 + [[3.0] * 3] * 2
+    dist.destroy_process_group()
+
+
+def test_a_shared_batch_is_split_and_gathered_by_rows(tmp_path):
+    mp.spawn(_rows_split_and_gathered, nprocs=WORLD, args=(str(tmp_path / "store"),))
