@@ -141,7 +141,9 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # torch.optim optimizer's step also drops all cached copies (a global step hook). An alias of a cached
 # weight (the same memory, shape and strides, e.g. the detached copy that activation checkpointing
 # hands the backward in place of the parameter) shares its entry: _OWNERS finds the weight from where
-# it lies, and while that weight is alive no other tensor can lie there.
+# it lies, and while that weight is alive no other tensor can lie there. A view of the whole of a
+# tensor (the fresh one DTensor.to_local() makes on every call) keeps its entry under that tensor, so
+# the copy outlives the view.
 # A CUDA graph captured inside cached_weights_in_graphs() while an entry is valid reads that entry's
 # copies by address (the capture quantises nothing of its own): such an entry is held by the graph, so
 # it is never dropped or reallocated; where another entry would be dropped (the optimizer step's hook,
@@ -278,6 +280,8 @@ def _lookup(w: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple, tuple | None]:
     """(owner, place, key, entry): where w lies, its key as it is now, and the entry it is cached
     under (see _owner_entry), valid or stale, or None."""
     place = _place(w)
+    if w._base is not None and _place(w._base) == place:  # a whole view (DTensor.to_local()'s): its base's entry
+        w = w._base
     owner, entry = _owner_entry(w, place)
     return owner, place, _key(w, place), entry
 

@@ -319,6 +319,20 @@ def test_an_alias_of_a_weight_shares_its_copy(empty_cache):
     assert torch.equal(after.q.float(), fp8.quantize_blocks(w.detach())[0].float())
 
 
+def test_a_whole_view_of_a_weight_keeps_its_copy_under_the_weight(empty_cache):
+    """What DTensor.to_local() hands each forward under transformers' expert parallelism: a fresh view
+    of the whole local weight. The copy lives as long as the weight, not the view."""
+    w = torch.nn.Parameter(torch.randn(2, 128, 256))
+    view = w.view_as(w)
+    first = fp8.quantized_weight(view)
+    del view
+    assert fp8.quantized_weight(w.view_as(w)) is first and fp8.quantized_weight(w) is first
+    assert fp8.cache_bytes() == first.nbytes()
+    with torch.no_grad():
+        w.add_(1)  # a view shares its base's version counter
+    assert fp8.quantized_weight(w.view_as(w)) is not first
+
+
 def test_each_weight_has_its_own_copy_and_a_freed_weight_frees_it(empty_cache):
     a, b = torch.randn(1, 128, 128), torch.randn(1, 128, 128)
     qa, qb = fp8.quantized_weight(a), fp8.quantized_weight(b)
