@@ -41,9 +41,17 @@ def exchange_tokens(name: str, experts: nn.Module, group, model: nn.Module) -> N
         raise ValueError(f"{name} exchanges its tokens over megamoe's group of rank {held[0]} of {held[1]} (patched "
                          "with a group before); patch a freshly loaded model to change that")
     import torch.distributed as dist
-    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, EPImplementationInterface
-
-    ep_mesh, tp_mesh = model._mesh_manager.get_mesh("ep"), model._mesh_manager.get_mesh("tp")
+    try:
+        from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, EPImplementationInterface
+    except ImportError as error:
+        raise ValueError(f"{name} is split by an earlier form of transformers' expert parallelism: megamoe exchanges "
+                         "its tokens from transformers 5.25 on; patch without group= to keep transformers' "
+                         "exchange") from error
+    meshes = getattr(model, "_mesh_manager", None)
+    if meshes is None:
+        raise ValueError(f"{name} is split over expert-parallel ranks, but {type(model).__name__} has no device "
+                         "meshes of transformers: load it with from_pretrained(..., distributed_config=...)")
+    ep_mesh, tp_mesh = meshes.get_mesh("ep"), meshes.get_mesh("tp")
     ep_ranks = dist.get_process_group_ranks(ep_mesh.get_group())
     if dist.get_process_group_ranks(group) != ep_ranks:
         raise ValueError(f"transformers split the experts of {name} over the ranks {ep_ranks} (its EP mesh): group= "

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import megamoe
 from megamoe.reference import relative_error
-from test_hf_patch import LAYERS, TOLERANCE, loss_logits_and_grads, tiny_config
+from test_hf_patch import LAYERS, TOLERANCE, loss_logits_and_grads, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers", minversion="5.25", reason="transformers' EP plan as of 5.25")
 pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
@@ -114,6 +114,18 @@ def _bad_groups_raise(rank, store, checkpoint):
 
 def test_group_other_than_the_ep_mesh_or_changed_raises(tmp_path):
     mp.spawn(_bad_groups_raise, nprocs=WORLD, args=(str(tmp_path / "store"), _save_tiny_model(tmp_path)))
+
+
+def test_experts_split_without_transformers_meshes_raise(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model()
+        for experts in megamoe.hf.qwen3_moe_experts(model):
+            experts._is_expert_parallel = True  # split, as far as the module says, but not loaded by transformers
+        with pytest.raises(ValueError, match="has no device meshes of transformers"):
+            megamoe.patch_hf_model(model, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 def _rows_split_and_gathered(rank, store):
