@@ -77,6 +77,9 @@ def _megamoe_exchange() -> type:
             self.experts = experts
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
+            if vars(self.experts).get(_EXCHANGE) is None:  # e.g. named at loading, after an earlier patch registered it
+                raise RuntimeError("ep_implementation 'megamoe' runs experts that megamoe.patch_hf_model(model, "
+                                   "group=...) serves: load the model with another ep_implementation and patch it")
             tp_group = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
             if tp_group is None:
                 return type(self.experts).forward(self.experts, hidden_states, top_k_index, top_k_weights)

@@ -109,6 +109,10 @@ def _bad_groups_raise(rank, store, checkpoint):
     megamoe.patch_hf_model(model, backend="fused", group=dist.group.WORLD)  # the same group again
     with pytest.raises(ValueError, match="patched with a group before"):
         megamoe.patch_hf_model(model, backend="fused")
+    # The exchange patch_hf_model registered, named at loading: the experts are megamoe's only once patched.
+    unpatched = _load(checkpoint, LAYOUTS["shared batch, all_to_all"] | {"ep_implementation": "megamoe"})
+    with pytest.raises(RuntimeError, match="runs experts that megamoe.patch_hf_model"):
+        unpatched(input_ids=torch.zeros(1, 4, dtype=torch.long))
     dist.destroy_process_group()
 
 
