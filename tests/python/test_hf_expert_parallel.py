@@ -132,6 +132,34 @@ def test_experts_split_without_transformers_meshes_raise(tmp_path):
         dist.destroy_process_group()
 
 
+def _fp8_copies_across_forwards(rank, store, checkpoint):
+    """The block-FP8 copies of each rank's expert weights that megamoe would use, asked for in each of
+    two forwards: the same copies, though transformers hands every forward fresh views of its shards."""
+    _init(rank, store)
+    from megamoe import fp8
+
+    model = megamoe.patch_hf_model(_load(checkpoint, LAYOUTS["shared batch, all_reduce"]), backend="grouped")
+    copies, moe = [], megamoe.hf.moe
+
+    def moe_asking_for_fp8_copies(x, ids, weights, w13, w2, **options):
+        copies.append((fp8.quantized_weight(w13), fp8.quantized_weight(w2)))
+        return moe(x, ids, weights, w13, w2, **options)
+
+    megamoe.hf.moe = moe_asking_for_fp8_copies
+    input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(model.device)
+    for _ in range(2):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    assert len(copies) == 2 and all(a is b for a, b in zip(*copies))
+    dist.destroy_process_group()
+
+
+def test_fp8_copies_of_experts_split_by_transformers_outlive_the_forward(tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=128, moe_intermediate_size=128, num_hidden_layers=1)  # FP8 blocks: 128
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
+    mp.spawn(_fp8_copies_across_forwards, nprocs=WORLD, args=(str(tmp_path / "store"), str(tmp_path / "checkpoint")))
+
+
 def _rows_split_and_gathered(rank, store):
     _init(rank, store)
     from megamoe.hf_expert_parallel import _AllRows, _OwnRows, _own_rows
