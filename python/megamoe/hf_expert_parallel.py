@@ -1,4 +1,4 @@
-"""Experts that transformers' own expert parallelism splits (`DistributedConfig(ep_size=W)`, 5.25).
+"""Experts that transformers' own expert parallelism splits (`DistributedConfig(ep_size=W)`, 5.24 on).
 
 transformers keeps each rank's experts (`MoEParamShard`, which sets `_is_expert_parallel`) and brings
 them their tokens through an `EPImplementation` of its registry. Patched without a group, those
@@ -45,8 +45,8 @@ def exchange_tokens(name: str, experts: nn.Module, group, model: nn.Module) -> N
         from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, EPImplementationInterface
     except ImportError as error:
         raise ValueError(f"{name} is split by an earlier form of transformers' expert parallelism: megamoe exchanges "
-                         "its tokens from transformers 5.25 on; patch without group= to keep transformers' "
-                         "exchange") from error
+                         "its tokens through transformers' EPImplementationInterface (5.23 on); patch without group= "
+                         "to keep transformers' exchange") from error
     meshes = getattr(model, "_mesh_manager", None)
     if meshes is None:
         raise ValueError(f"{name} is split over expert-parallel ranks, but {type(model).__name__} has no device "
