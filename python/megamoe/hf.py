@@ -12,7 +12,8 @@ DeepSeek-V2/V3, GLM-4-MoE, ... in transformers 5), and megamoe serves those in i
 (docs/DESIGN.md): gate_up_proj [E, 2I, H] with gate rows then up rows, down_proj [E, H, I], no biases,
 transformers' default gate act(gate) * up (or a gate of its own that computes the same, or SwiGLU clamped
 at the module's limit as DeepSeek-V4 and HY-V4 do, as probed) with an activation megamoe computes. The
-others keep their own implementation and are named in one warning.
+others keep their own implementation and are named in one warning. Experts that transformers' own
+expert parallelism split keep its split (hf_expert_parallel.py).
 """
 
 from __future__ import annotations
