@@ -80,10 +80,9 @@ def _megamoe_exchange() -> type:
             if vars(self.experts).get(_EXCHANGE) is None:  # e.g. named at loading, after an earlier patch registered it
                 raise RuntimeError("ep_implementation 'megamoe' runs experts that megamoe.patch_hf_model(model, "
                                    "group=...) serves: load the model with another ep_implementation and patch it")
-            tp_group = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
-            if tp_group is None:
+            if self.tp_mesh.size() == 1:  # this rank's own batch
                 return type(self.experts).forward(self.experts, hidden_states, top_k_index, top_k_weights)
-            num_tokens = hidden_states.shape[0]
+            tp_group, num_tokens = self.tp_mesh.get_group(), hidden_states.shape[0]
             hidden_states = _OwnRows.apply(hidden_states, tp_group)
             top_k_weights = _OwnRows.apply(top_k_weights, tp_group)
             top_k_index = _own_rows(top_k_index, tp_group, fill=-1)
