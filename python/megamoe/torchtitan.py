@@ -15,8 +15,10 @@ state and everything else stay TorchTitan's; FSDP2 (`fully_shard`), activation c
 The experts' gate and up weights live in one parameter `w13 [E, 2F, D]`, `w2_EDF [E, D, F]` as
 TorchTitan has it; checkpoints keep TorchTitan's `w1_EFD` / `w3_EFD` (torchtitan_layout.py).
 torchtitan 0.2 (which runs on older PyTorch) is served by megamoe/torchtitan_converter.py instead.
+Under expert parallelism (`expert_parallel_degree` > 1) megamoe's kernels exchange the tokens over
+TorchTitan's EP mesh (`megamoe.moe(..., group=)`), in place of TorchTitan's token dispatcher.
 Refused at configuration time: experts other than TorchTitan's SwiGLU `GroupedExperts`; at
-parallelisation: expert or tensor parallelism (not yet served).
+parallelisation: tensor parallelism of the experts without EP, and EP with a baseline backend.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
 from .torchtitan_layout import checkpoint_split, routed_experts
 from .validation import check_options
@@ -67,20 +71,36 @@ class MegaMoERoutedExperts(RoutedExperts):
         super().__init__(config)
         self.backend, self.precision = config.backend, config.precision
         self.recompute, self.activation = config.recompute, config.activation
+        self.group = None  # the EP mesh's process group once parallelised with expert parallelism
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, self.inner_experts.w13,
-                              self.inner_experts.w2_EDF, backend=self.backend, precision=self.precision,
-                              recompute=self.recompute, activation=self.activation)
+        experts = self.inner_experts
+        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, _local(experts.w13), _local(experts.w2_EDF),
+                              backend=self.backend, precision=self.precision, recompute=self.recompute,
+                              activation=self.activation, group=self.group)
 
     def parallelize(self, parallel_dims) -> None:
-        for name in ("ep", "tp"):
-            if getattr(parallel_dims, f"{name}_enabled", False):
-                raise ValueError(f"megamoe's TorchTitan experts do not serve {name.upper()} parallelism yet; set "
-                                 f"{'expert_parallel_degree' if name == 'ep' else 'tensor_parallel_degree'} = 1 "
-                                 "(FSDP and data parallelism are served)")
+        """Under expert parallelism TorchTitan hands this module each rank's share of the tokens with
+        global expert ids and keeps this rank's experts (dim 0 of the weights, in EP-rank order): what
+        megamoe.moe(..., group=) takes, so megamoe's kernels exchange the tokens over the EP mesh's group
+        instead of TorchTitan's token dispatcher."""
+        ep = getattr(parallel_dims, "ep_enabled", False)
+        if getattr(parallel_dims, "tp_enabled", False) and not ep:
+            raise ValueError("megamoe's TorchTitan experts do not serve tensor parallelism of the experts' hidden "
+                             "dimension; set expert_parallel_degree > 1 (the experts then split over ranks whole) or "
+                             "tensor_parallel_degree = 1")
+        if ep and self.backend != "fused":
+            raise ValueError(f"expert parallelism runs megamoe's backend='fused' (its kernels exchange the tokens), "
+                             f"got backend={self.backend!r}")
         super().parallelize(parallel_dims)
+        if ep:
+            self.group = parallel_dims.get_optional_mesh("ep").get_group()
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight TorchTitan distributed as a DTensor (spmd_types keeps plain tensors)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _fused_init(gate: Callable | None, up: Callable | None) -> Callable | None:
@@ -116,5 +136,9 @@ def megamoe_experts(cfg: RoutedExperts.Config, *, backend: str = "fused", precis
             shardings["w13"] = shardings.pop("w1_EFD")
         shardings.pop("w3_EFD", None)
         fused.sharding_config = dataclasses.replace(inner.sharding_config, state_shardings=shardings)
-    return derive(cfg, MegaMoERoutedExperts.Config, inner_experts=fused, backend=backend, precision=precision,
-                  recompute=recompute, activation=activation)
+    # megamoe moves the tokens itself: the dispatcher TorchTitan chose (all-to-all, DeepEP, ...) would
+    # only hold communication buffers, so the module keeps the local one, which holds none.
+    dispatcher = LocalTokenDispatcher.Config(num_experts=cfg.token_dispatcher.num_experts,
+                                             top_k=cfg.token_dispatcher.top_k)
+    return derive(cfg, MegaMoERoutedExperts.Config, inner_experts=fused, token_dispatcher=dispatcher,
+                  backend=backend, precision=precision, recompute=recompute, activation=activation)

@@ -1,38 +1,46 @@
-"""megamoe as TorchTitan's routed experts (megamoe.torchtitan): the override on TorchTitan's Qwen3 MoE
-debug configuration, the same layer output as TorchTitan's own experts from the same weights, its
-checkpoints in TorchTitan's layout, and the refusals. Skipped without torchtitan 0.3."""
+"""megamoe as TorchTitan's routed experts (megamoe.torchtitan): the override on a MoE layer configured as
+TorchTitan's Qwen3 MoE models configure theirs, the same layer output as TorchTitan's own experts from
+the same weights, its checkpoints in TorchTitan's layout, expert parallelism over TorchTitan's EP mesh,
+and the refusals. Skipped without torchtitan 0.3."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 pytest.importorskip("torchtitan.config.override")  # torchtitan 0.3 (0.2: test_torchtitan_converter.py)
 
+import spmd_types as spmd  # noqa: E402
 from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402
+from torchtitan.models.common.config_utils import (  # noqa: E402
+    make_moe_config, make_routed_experts_config, make_router_config)
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts  # noqa: E402
-from torchtitan.models.qwen3 import model_registry  # noqa: E402
 
 from megamoe.reference import relative_error  # noqa: E402
 
-from conftest import requires_cuda  # noqa: E402
+from conftest import HAS_CUDA, requires_cuda  # noqa: E402
 from fsdp_sharding import check_fully_shard  # noqa: E402
 
 OVERRIDE = "megamoe.torchtitan.megamoe_experts"
+NORMAL_INIT = partial(torch.nn.init.normal_, std=0.02)  # how TorchTitan's Qwen3 initialises w1, w3 and the gate
+# The tensor-parallel placements of the experts' weights TorchTitan's Qwen3 declares (torchtitan.models.qwen3
+# .sharding, whose package needs a PyTorch newer than the layer does).
+EXPERTS_PARAM_LAYOUT = {"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)}
 
 
 def _moe_config(num_experts=8, dim=64, hidden=32, top_k=2) -> MoE.Config:
-    """Layer 0's MoE of TorchTitan's Qwen3 MoE debug model, made small."""
-    cfg = copy.deepcopy(model_registry("debugmodel_moe").model.layers[0].moe)
-    cfg.num_experts = cfg.router.num_experts = num_experts
-    cfg.router.top_k = top_k
-    cfg.router.gate.in_features, cfg.router.gate.out_features = dim, num_experts
-    inner = cfg.routed_experts.inner_experts
-    inner.dim, inner.hidden_dim, inner.num_experts = dim, hidden, num_experts
-    cfg.routed_experts.token_dispatcher.num_experts, cfg.routed_experts.token_dispatcher.top_k = num_experts, top_k
-    if cfg.shared_experts is not None:
-        cfg.shared_experts = None
-    return cfg
+    """A MoE layer as TorchTitan's Qwen3 MoE models configure theirs (softmax router with normalised
+    top-k scores, SwiGLU GroupedExperts, no shared experts), from TorchTitan's common config builders."""
+    router = make_router_config(dim=dim, num_experts=num_experts, top_k=top_k, score_func="softmax",
+                                route_norm=True, gate_param_init={"weight": NORMAL_INIT})
+    experts = make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=top_k,
+                                         comm_backend="standard",
+                                         param_init={"w1_EFD": NORMAL_INIT, "w3_EFD": NORMAL_INIT,
+                                                     "w2_EDF": partial(torch.nn.init.normal_, std=0.01)})
+    return make_moe_config(num_experts=num_experts, router=router, routed_experts=experts)
 
 
 def _with_megamoe(cfg, **options):
@@ -45,9 +53,13 @@ def _with_megamoe(cfg, **options):
 
 def test_override_replaces_the_routed_experts_and_keeps_torchtitans_checkpoint_layout():
     from megamoe.torchtitan import MegaMoEExperts, MegaMoERoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
     cfg = _moe_config()
     native, fused = cfg.build(), _with_megamoe(cfg, backend="grouped").build()
     assert isinstance(fused.routed_experts, MegaMoERoutedExperts)
+    expert_parallel = copy.deepcopy(cfg)  # as TorchTitan configures EP: megamoe exchanges instead
+    expert_parallel.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=8, top_k=2)
+    assert type(_with_megamoe(expert_parallel).routed_experts.token_dispatcher) is LocalTokenDispatcher.Config
     assert isinstance(fused.routed_experts.inner_experts, MegaMoEExperts)
     assert fused.routed_experts.inner_experts.w13.shape == (8, 64, 64)
     for module in (native, fused):
@@ -86,11 +98,9 @@ def test_sharding_config_places_w13_as_torchtitan_places_w1(enable_ep):
     """TorchTitan fills the sharding configs before overrides apply (Trainer: update_from_config, then
     apply_overrides): the replaced experts' w13 takes w1_EFD's placement, and w1/w3 are gone."""
     from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-    from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
 
     cfg = _moe_config()
-    set_moe_sharding_config(cfg, enable_ep=enable_ep, enable_sp=False,
-                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
+    set_moe_sharding_config(cfg, enable_ep=enable_ep, enable_sp=False, expert_param_layout=EXPERTS_PARAM_LAYOUT)
     native = cfg.routed_experts.inner_experts.sharding_config.state_shardings
     replaced = _with_megamoe(cfg).routed_experts.inner_experts.sharding_config.state_shardings
     assert set(replaced) == set(native) - {"w1_EFD", "w3_EFD"} | {"w13"}
@@ -123,10 +133,15 @@ def test_refusals():
     module = megamoe_experts(cfg, backend="grouped").build()
     assert isinstance(module, MegaMoERoutedExperts)
 
-    class Dims:
+    class TensorParallel:
+        ep_enabled, tp_enabled = False, True
+    with pytest.raises(ValueError, match="do not serve tensor parallelism of the experts' hidden dimension"):
+        module.parallelize(TensorParallel())
+
+    class ExpertParallel:
         ep_enabled, tp_enabled = True, False
-    with pytest.raises(ValueError, match="do not serve EP parallelism"):
-        module.parallelize(Dims())
+    with pytest.raises(ValueError, match="expert parallelism runs megamoe's backend='fused'"):
+        module.parallelize(ExpertParallel())
     assert isinstance(GroupedExperts.Config, type) and isinstance(RoutedExperts.Config, type)
 
 
@@ -139,3 +154,89 @@ def _overridden_layer() -> MoE:
 def test_fully_shard_shards_megamoes_experts_as_torchtitans(tmp_path):
     """FSDP2 over 2 CPU processes on an overridden MoE layer: the same output and gradients as unsharded."""
     check_fully_shard(_overridden_layer, (2, 24, 64), tmp_path)
+
+
+EP_WORLD = 2
+
+
+def _exchange_on_the_cpu() -> None:
+    """Where there is no GPU for the fused kernels, the EP region's megamoe call runs megamoe's
+    all-to-all baseline over the same group (the same contract: each rank's tokens with global ids,
+    its experts' weights), so the wiring is checked on the CPU too."""
+    import megamoe.torchtitan as adapter
+    from megamoe.backends.all_to_all import all_to_all_moe
+    one_process = adapter.routed_experts
+
+    def exchanged(x, topk_ids, topk_scores, w13, w2, group=None, **options):
+        if group is None:
+            return one_process(x, topk_ids, topk_scores, w13, w2, **options)
+        dim, top_k = x.shape[-1], topk_ids.shape[-1]
+        y = all_to_all_moe(x.reshape(-1, dim).bfloat16(), topk_ids.reshape(-1, top_k),
+                           topk_scores.reshape(-1, top_k).float(), w13.bfloat16(), w2.bfloat16(), group)
+        return y.view(x.shape).type_as(x)
+    adapter.routed_experts = exchanged
+
+
+def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, device: str) -> None:
+    """This rank's share of a batch through the EP-parallelised layer against the whole batch through
+    the same layer in one process: output, input gradient, this rank's experts' gradients, and the
+    router's gradient summed over the ranks."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU may serve both ranks
+    else:
+        parallel_dims_module.device_type = "cpu"  # TorchTitan's meshes default to CUDA
+        _exchange_on_the_cpu()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
+    set_spmd_backend(spmd_backend)
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD,
+                                 world_size=EP_WORLD, spmd_backend=spmd_backend)
+    cfg = _moe_config(dim=256, hidden=128)
+    whole = _with_megamoe(cfg, backend="fused" if device == "cuda" else "grouped")
+    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False, expert_param_layout=EXPERTS_PARAM_LAYOUT)
+    sharded = _with_megamoe(cfg, backend="fused")
+    torch.manual_seed(0)
+    one_process = whole.build().to(device)
+    one_process.init_states()
+    layer = sharded.build().to(device)
+    layer.load_state_dict(one_process.state_dict())
+    layer.parallelize(parallel_dims)
+    assert dist.get_process_group_ranks(layer.routed_experts.group) == list(range(EP_WORLD))
+
+    batches = torch.randn(EP_WORLD, 2, 24, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    x = batches[rank].clone().requires_grad_()
+    layer(x).float().square().sum().backward()
+    x_all = batches.flatten(0, 1).clone().requires_grad_()
+    y_all = one_process(x_all)
+    y_all.float().square().sum().backward()
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    own_tokens, experts = slice(2 * rank, 2 * rank + 2), layer.routed_experts.inner_experts
+    share = experts.num_experts // EP_WORLD
+    own_experts, want = slice(share * rank, share * (rank + 1)), one_process.routed_experts.inner_experts
+    router_grad = local(layer.router.gate.weight.grad).clone()
+    dist.all_reduce(router_grad)
+    pairs = {"output": (layer(x), y_all[own_tokens]), "x grad": (x.grad, x_all.grad[own_tokens]),
+             "w13 grad": (local(experts.w13.grad), want.w13.grad[own_experts]),
+             "w2 grad": (local(experts.w2_EDF.grad), want.w2_EDF.grad[own_experts]),
+             "router grad": (router_grad, one_process.router.gate.weight.grad)}
+    assert local(experts.w13).shape[0] == share
+    for name, (got, expected) in pairs.items():
+        assert relative_error(got, expected) < 1e-2, name  # bf16 operands either way
+    dist.barrier()  # no rank tears its group down while a peer's exchanges are still in flight
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("spmd_backend", ["spmd_types", "partial_dtensor"])
+def test_expert_parallel_layer_matches_one_process(spmd_backend, tmp_path):
+    """TorchTitan's EP (expert_parallel_degree = 2, over gloo): the EP mesh's group reaches
+    megamoe.moe(..., group=), each rank computing its own tokens with its half of the experts. On a GPU
+    megamoe's kernels exchange the tokens (both ranks may share one GPU)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), spmd_backend, device), nprocs=EP_WORLD,
+             join=True)
