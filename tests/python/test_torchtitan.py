@@ -177,13 +177,29 @@ def _exchange_on_the_cpu() -> None:
     adapter.routed_experts = exchanged
 
 
-def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, device: str) -> None:
-    """This rank's share of a batch through the EP-parallelised layer against the whole batch through
+# How the EP ranks hold the batch: each its own (EP over data-parallel ranks), all the same batch
+# (EP over tensor-parallel ranks: TorchTitan splits the sequence for the experts), or each a part of
+# the sequence (sequence parallelism). The tensor-parallel degree and whether the sequence is split.
+EP_LAYOUTS = {"own batches": (1, False), "one batch": (EP_WORLD, False), "sequence parts": (EP_WORLD, True)}
+
+
+def _rank_input(batches: torch.Tensor, rank: int, layout: str) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(this rank's input, the whole input in one process, the index of this rank's part of it)."""
+    tp, split = EP_LAYOUTS[layout]
+    if tp == 1:
+        return batches[rank], batches.flatten(0, 1), (slice(2 * rank, 2 * rank + 2),)
+    part = (slice(None), slice(12 * rank, 12 * rank + 12)) if split else (slice(None),)
+    return batches[0][part], batches[0], part
+
+
+def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: str, device: str) -> None:
+    """This rank's part of a batch through the EP-parallelised layer against the whole batch through
     the same layer in one process: output, input gradient, this rank's experts' gradients, and the
     router's gradient summed over the ranks."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.distributed.utils import get_spmd_context, set_spmd_backend
     from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 
     if device == "cuda":
@@ -193,11 +209,12 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, device: 
         _exchange_on_the_cpu()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
     set_spmd_backend(spmd_backend)
-    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD,
+    tp, split = EP_LAYOUTS[layout]
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD // tp, cp=1, tp=tp, pp=1, ep=EP_WORLD,
                                  world_size=EP_WORLD, spmd_backend=spmd_backend)
     cfg = _moe_config(dim=256, hidden=128)
     whole = _with_megamoe(cfg, backend="fused" if device == "cuda" else "grouped")
-    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False, expert_param_layout=EXPERTS_PARAM_LAYOUT)
+    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=split, expert_param_layout=EXPERTS_PARAM_LAYOUT)
     sharded = _with_megamoe(cfg, backend="fused")
     torch.manual_seed(0)
     one_process = whole.build().to(device)
@@ -207,21 +224,27 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, device: 
     layer.parallelize(parallel_dims)
     assert dist.get_process_group_ranks(layer.routed_experts.group) == list(range(EP_WORLD))
 
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
     batches = torch.randn(EP_WORLD, 2, 24, 256, generator=torch.Generator().manual_seed(1)).to(device)
-    x = batches[rank].clone().requires_grad_()
-    layer(x).float().square().sum().backward()
-    x_all = batches.flatten(0, 1).clone().requires_grad_()
+    rank_input, whole_input, part = _rank_input(batches, rank, layout)
+    x = rank_input.clone().requires_grad_()
+    layer_input = x
+    if tp > 1 and spmd_backend != "spmd_types":  # the DTensor parallelisms take DTensors across the TP ranks
+        layer_input = DTensor.from_local(x, parallel_dims.get_optional_mesh("tp"), [Shard(1) if split else Replicate()])
+    with get_spmd_context(parallel_dims=parallel_dims)():  # as TorchTitan's trainer runs a step
+        y = local(layer(layer_input))
+        y.float().square().sum().backward()
+    x_all = whole_input.clone().requires_grad_()
     y_all = one_process(x_all)
     y_all.float().square().sum().backward()
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-    own_tokens, experts = slice(2 * rank, 2 * rank + 2), layer.routed_experts.inner_experts
+    experts, want = layer.routed_experts.inner_experts, one_process.routed_experts.inner_experts
     share = experts.num_experts // EP_WORLD
-    own_experts, want = slice(share * rank, share * (rank + 1)), one_process.routed_experts.inner_experts
+    own_experts = slice(share * rank, share * (rank + 1))
     router_grad = local(layer.router.gate.weight.grad).clone()
     dist.all_reduce(router_grad)
-    pairs = {"output": (layer(x), y_all[own_tokens]), "x grad": (x.grad, x_all.grad[own_tokens]),
+    pairs = {"output": (y, y_all[part]), "x grad": (x.grad, x_all.grad[part]),
              "w13 grad": (local(experts.w13.grad), want.w13.grad[own_experts]),
              "w2 grad": (local(experts.w2_EDF.grad), want.w2_EDF.grad[own_experts]),
              "router grad": (router_grad, one_process.router.gate.weight.grad)}
@@ -232,11 +255,19 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, device: 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("spmd_backend", ["spmd_types", "partial_dtensor"])
-def test_expert_parallel_layer_matches_one_process(spmd_backend, tmp_path):
+TORCH_2_11 = tuple(map(int, torch.__version__.split(".")[:2])) <= (2, 11)
+EP_CASES = [pytest.param(backend, layout, marks=pytest.mark.skipif(
+    backend == "partial_dtensor" and EP_LAYOUTS[layout][0] > 1 and TORCH_2_11,
+    reason="under EP over TP ranks TorchTitan's router reshapes a sequence-sharded DTensor, which PyTorch 2.11 "
+           "refuses"))
+    for backend in ("spmd_types", "partial_dtensor") for layout in EP_LAYOUTS]
+
+
+@pytest.mark.parametrize("spmd_backend, layout", EP_CASES)
+def test_expert_parallel_layer_matches_one_process(spmd_backend, layout, tmp_path):
     """TorchTitan's EP (expert_parallel_degree = 2, over gloo): the EP mesh's group reaches
-    megamoe.moe(..., group=), each rank computing its own tokens with its half of the experts. On a GPU
-    megamoe's kernels exchange the tokens (both ranks may share one GPU)."""
+    megamoe.moe(..., group=), each rank computing its part of the tokens with its half of the experts.
+    On a GPU megamoe's kernels exchange the tokens (both ranks may share one GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
-    mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), spmd_backend, device), nprocs=EP_WORLD,
-             join=True)
+    mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), spmd_backend, layout, device),
+             nprocs=EP_WORLD, join=True)
