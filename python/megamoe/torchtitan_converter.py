@@ -8,19 +8,15 @@ through registered model converters; this module registers three, one per precis
 Each MoE layer (`torchtitan.models.moe.MoE`) keeps its router, shared experts and load-balancing
 state; its token reordering, grouped experts and unpermute run as one `megamoe.moe` call on the
 router's ids and scores. The experts' gate and up weights become one `w13 [E, 2F, D]`, checkpointed
-as TorchTitan's `w1` / `w3` (torchtitan_layout.py). Under expert parallelism TorchTitan's
-ExpertParallel splits the experts' weights whole over its EP mesh (DTensors, Shard(0)); the layer
-then hands megamoe this rank's experts and that mesh's group, and megamoe's kernels exchange the
-tokens instead of the plan's all-to-alls. Refused when converting: a model without MoE layers,
-experts scored before the MLP (`score_before_experts`, not the same function for a gated MLP), tensor
-parallelism; in the forward, experts split otherwise (expert tensor parallelism).
+as TorchTitan's `w1` / `w3` (torchtitan_layout.py). Refused when converting: a model without MoE
+layers, experts scored before the MLP (`score_before_experts`, not the same function for a gated
+MLP), expert or tensor parallelism.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model_converter import register_model_converter
@@ -61,25 +57,11 @@ class MegaMoELayer(MoE):
         top_scores, selected_experts_indices, num_tokens_per_expert = self.router(tokens, self.expert_bias)
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert)
-        w13, w2, group = _expert_shards(self.experts)
-        out = routed_experts(tokens, selected_experts_indices, top_scores, w13, w2, group=group,
+        out = routed_experts(tokens, selected_experts_indices, top_scores, self.experts.w13, self.experts.w2,
                              **self.megamoe_options)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(bs, slen, dim)
-
-
-def _expert_shards(experts: MegaMoEGroupedExperts) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(w13, w2, group): the weights this rank computes with, and the EP mesh's process group where
-    TorchTitan's ExpertParallel split them whole over that mesh (None otherwise)."""
-    w13, w2 = experts.w13, experts.w2
-    if not isinstance(w13, DTensor):
-        return w13, w2, None
-    if w13.device_mesh.ndim != 1 or tuple(w13.placements) != (Shard(0),):
-        raise ValueError(f"megamoe serves experts split whole over an expert-parallel mesh (Shard(0)); these are "
-                         f"placed {tuple(w13.placements)} over a {w13.device_mesh.ndim}-D mesh (expert tensor "
-                         "parallelism is not served: set expert_tensor_parallel_degree = 1)")
-    return w13.to_local(), w2.to_local(), w13.device_mesh.get_group()
 
 
 def convert_moe_layers(model: nn.Module, **options) -> int:
@@ -109,9 +91,14 @@ class MegaMoEConverter:
     precision = "bf16"
 
     def __init__(self, job_config, parallel_dims):
-        if parallel_dims.tp > 1:  # its MoE plan splits the routed tokens over the TP ranks in the reorderer
-            raise ValueError(f"megamoe's TorchTitan 0.2 experts do not serve tensor parallelism (degree "
-                             f"{parallel_dims.tp}); expert parallelism, FSDP and data parallelism are served")
+        # 0.2 shards the routed experts under EP with an FSDP unit of their own, whose gathers and
+        # gradient reductions run only when the experts module itself is called (the converted layer
+        # reads its weights directly), and its TP plan splits the routed tokens in a reorderer.
+        for name, degree in (("expert", parallel_dims.ep), ("tensor", parallel_dims.tp)):
+            if degree > 1:
+                raise ValueError(f"megamoe's TorchTitan 0.2 experts do not serve {name} parallelism (degree "
+                                 f"{degree}); torchtitan 0.3 with megamoe.torchtitan serves expert parallelism. "
+                                 "FSDP and data parallelism are served")
 
     def convert(self, model: nn.Module) -> None:
         convert_moe_layers(model, precision=self.precision)

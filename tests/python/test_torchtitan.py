@@ -23,7 +23,6 @@ from megamoe.reference import relative_error  # noqa: E402
 
 from conftest import HAS_CUDA, requires_cuda  # noqa: E402
 from fsdp_sharding import check_fully_shard  # noqa: E402
-from torchtitan_exchange import exchange_on_the_cpu  # noqa: E402
 
 OVERRIDE = "megamoe.torchtitan.megamoe_experts"
 NORMAL_INIT = partial(torch.nn.init.normal_, std=0.02)  # how TorchTitan's Qwen3 initialises w1, w3 and the gate
@@ -158,6 +157,26 @@ def test_fully_shard_shards_megamoes_experts_as_torchtitans(tmp_path):
 
 
 EP_WORLD = 2
+
+
+def _exchange_on_the_cpu() -> None:
+    """Where there is no GPU for the fused kernels, the EP region's megamoe call runs megamoe's
+    all-to-all baseline over the same group (the same contract: each rank's tokens with global ids,
+    its experts' weights), so the wiring is checked on the CPU too."""
+    import megamoe.torchtitan as adapter
+    from megamoe.backends.all_to_all import all_to_all_moe
+    one_process = adapter.routed_experts
+
+    def exchanged(x, topk_ids, topk_scores, w13, w2, group=None, **options):
+        if group is None:
+            return one_process(x, topk_ids, topk_scores, w13, w2, **options)
+        dim, top_k = x.shape[-1], topk_ids.shape[-1]
+        y = all_to_all_moe(x.reshape(-1, dim).bfloat16(), topk_ids.reshape(-1, top_k),
+                           topk_scores.reshape(-1, top_k).float(), w13.bfloat16(), w2.bfloat16(), group)
+        return y.view(x.shape).type_as(x)
+    adapter.routed_experts = exchanged
+
+
 # How the EP ranks hold the batch: each its own (EP over data-parallel ranks), all the same batch
 # (EP over tensor-parallel ranks: TorchTitan splits the sequence for the experts), or each a part of
 # the sequence (sequence parallelism). The tensor-parallel degree and whether the sequence is split.
@@ -186,9 +205,8 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU may serve both ranks
     else:
-        import megamoe.torchtitan as adapter
         parallel_dims_module.device_type = "cpu"  # TorchTitan's meshes default to CUDA
-        exchange_on_the_cpu(adapter)
+        _exchange_on_the_cpu()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
     set_spmd_backend(spmd_backend)
     tp, split = EP_LAYOUTS[layout]
