@@ -192,10 +192,54 @@ def _rank_input(batches: torch.Tensor, rank: int, layout: str) -> tuple[torch.Te
     return batches[0][part], batches[0], part
 
 
-def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: str, device: str) -> None:
+class _Block(torch.nn.Module):
+    moe_enabled = True
+
+    def __init__(self, moe: torch.nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+class _Decoder(torch.nn.Module):
+    """The one-block decoder TorchTitan's FSDP wrapping (apply_fsdp_to_decoder) walks; its units'
+    gathers run when the block is called."""
+
+    enable_weight_tying = False
+
+    def __init__(self, moe: torch.nn.Module):
+        super().__init__()
+        self.tok_embeddings = self.norm = self.lm_head = None
+        self.layers = torch.nn.ModuleDict({"0": _Block(moe)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers["0"](x)
+
+
+def _fully_shard_as_torchtitan(layer: torch.nn.Module, parallel_dims) -> torch.nn.Module:
+    """FSDP2 over the layer as TorchTitan's trainer applies it under EP: each block one unit, the
+    experts' weights on the sparse (EP) mesh, the rest on the data-parallel mesh."""
+    import torchtitan.distributed.fsdp as torchtitan_fsdp
+    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh, resolve_sparse_fsdp_mesh
+
+    torchtitan_fsdp.disable_fsdp_gradient_division = lambda model: None  # its PREMUL_SUM: not in gloo
+    model = _Decoder(layer)
+    (dp_mesh, dp_dims), (edp_mesh, edp_dims) = resolve_fsdp_mesh(parallel_dims), resolve_sparse_fsdp_mesh(parallel_dims)
+    torchtitan_fsdp.apply_fsdp_to_decoder(model, dp_mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                          pp_enabled=False, cpu_offload=False, reshard_after_forward_policy="default",
+                                          ep_degree=EP_WORLD, edp_mesh=edp_mesh, dp_mesh_dims=dp_dims,
+                                          edp_mesh_dims=edp_dims, enable_symm_mem=False)
+    return model
+
+
+def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: str, device: str,
+                              fsdp: bool = False) -> None:
     """This rank's part of a batch through the EP-parallelised layer against the whole batch through
     the same layer in one process: output, input gradient, this rank's experts' gradients, and the
-    router's gradient summed over the ranks."""
+    router's gradient summed over the ranks. With `fsdp`, under TorchTitan's FSDP: every expert's
+    gradient, and the router's averaged over the data-parallel ranks as FSDP reduces it."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -223,6 +267,7 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     layer.load_state_dict(one_process.state_dict())
     layer.parallelize(parallel_dims)
     assert dist.get_process_group_ranks(layer.routed_experts.group) == list(range(EP_WORLD))
+    model = _fully_shard_as_torchtitan(layer, parallel_dims) if fsdp else layer
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -233,22 +278,27 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     if tp > 1 and spmd_backend != "spmd_types":  # the DTensor parallelisms take DTensors across the TP ranks
         layer_input = DTensor.from_local(x, parallel_dims.get_optional_mesh("tp"), [Shard(1) if split else Replicate()])
     with get_spmd_context(parallel_dims=parallel_dims)():  # as TorchTitan's trainer runs a step
-        y = local(layer(layer_input))
+        y = local(model(layer_input))
         y.float().square().sum().backward()
     x_all = whole_input.clone().requires_grad_()
     y_all = one_process(x_all)
     y_all.float().square().sum().backward()
 
     experts, want = layer.routed_experts.inner_experts, one_process.routed_experts.inner_experts
-    share = experts.num_experts // EP_WORLD
-    own_experts = slice(share * rank, share * (rank + 1))
-    router_grad = local(layer.router.gate.weight.grad).clone()
-    dist.all_reduce(router_grad)
+    if fsdp:
+        own_experts = slice(None)  # full_tensor gathers every rank's experts
+        w13_grad, w2_grad = experts.w13.grad.full_tensor(), experts.w2_EDF.grad.full_tensor()
+        router_grad = layer.router.gate.weight.grad.full_tensor() * EP_WORLD
+    else:
+        share = experts.num_experts // EP_WORLD
+        own_experts = slice(share * rank, share * (rank + 1))
+        w13_grad, w2_grad = local(experts.w13.grad), local(experts.w2_EDF.grad)
+        assert local(experts.w13).shape[0] == share
+        router_grad = local(layer.router.gate.weight.grad).clone()
+        dist.all_reduce(router_grad)
     pairs = {"output": (y, y_all[part]), "x grad": (x.grad, x_all.grad[part]),
-             "w13 grad": (local(experts.w13.grad), want.w13.grad[own_experts]),
-             "w2 grad": (local(experts.w2_EDF.grad), want.w2_EDF.grad[own_experts]),
+             "w13 grad": (w13_grad, want.w13.grad[own_experts]), "w2 grad": (w2_grad, want.w2_EDF.grad[own_experts]),
              "router grad": (router_grad, one_process.router.gate.weight.grad)}
-    assert local(experts.w13).shape[0] == share
     for name, (got, expected) in pairs.items():
         assert relative_error(got, expected) < 1e-2, name  # bf16 operands either way
     dist.barrier()  # no rank tears its group down while a peer's exchanges are still in flight
@@ -270,4 +320,15 @@ def test_expert_parallel_layer_matches_one_process(spmd_backend, layout, tmp_pat
     On a GPU megamoe's kernels exchange the tokens (both ranks may share one GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
     mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), spmd_backend, layout, device),
+             nprocs=EP_WORLD, join=True)
+
+
+def test_expert_parallel_layer_under_torchtitans_fsdp(tmp_path):
+    """The EP layer wrapped by TorchTitan's own FSDP (apply_fsdp_to_decoder: the experts sharded on the
+    EP mesh within each block's unit), which gathers the experts' weights for megamoe and reduces
+    their gradients."""
+    pytest.importorskip("torchtitan.distributed.fsdp", reason="TorchTitan's FSDP needs a PyTorch newer than 2.11",
+                        exc_type=ImportError)
+    device = "cuda" if HAS_CUDA else "cpu"
+    mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), "spmd_types", "own batches", device, True),
              nprocs=EP_WORLD, join=True)
