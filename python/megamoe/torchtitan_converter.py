@@ -8,19 +8,24 @@ through registered model converters; this module registers three, one per precis
 Each MoE layer (`torchtitan.models.moe.MoE`) keeps its router, shared experts and load-balancing
 state; its token reordering, grouped experts and unpermute run as one `megamoe.moe` call on the
 router's ids and scores. The experts' gate and up weights become one `w13 [E, 2F, D]`, checkpointed
-as TorchTitan's `w1` / `w3` (torchtitan_layout.py). Refused when converting: a model without MoE
-layers, experts scored before the MLP (`score_before_experts`, not the same function for a gated
-MLP), expert or tensor parallelism.
+as TorchTitan's `w1` / `w3` (torchtitan_layout.py). Under expert parallelism 0.2's `ExpertParallel`
+moves the tokens with its all-to-alls around the experts module (and gives the experts an FSDP unit
+of their own, which gathers their weights when that module is called): there the layer runs
+TorchTitan's own MoE forward and megamoe computes each rank's experts on the rows they receive.
+Refused when converting: a model without MoE layers, experts scored before the MLP
+(`score_before_experts`, not the same function for a gated MLP), tensor parallelism.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model_converter import register_model_converter
 
+from .functional import moe
 from .torchtitan_layout import checkpoint_split, routed_experts
 from .validation import check_options
 
@@ -38,6 +43,21 @@ class MegaMoEGroupedExperts(nn.Module):
         self.w2 = experts.w2
         checkpoint_split(self, "w1", "w3")
 
+    megamoe_options: dict
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Each row of x [R, D] through its expert, as TorchTitan's GroupedExperts computes it: the rows
+        come grouped by expert, num_tokens_per_expert [E_local] of each, padding rows after them (zero
+        out). The layer calls this under expert parallelism, where ExpertParallel's all-to-alls hand
+        this module each rank's rows."""
+        w13, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w13, self.w2))
+        ends = num_tokens_per_expert.cumsum(0)
+        expert = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)
+        expert = torch.where(expert < ends.numel(), expert, -1)  # padding rows: masked routes
+        ones = torch.ones(x.shape[0], 1, device=x.device)
+        return moe(x.bfloat16(), expert[:, None], ones, w13.bfloat16(), w2.bfloat16(),
+                   **self.megamoe_options).type_as(x)
+
     def init_weights(self, init_std: float) -> None:
         """As GroupedExperts.init_weights: w1 (the gate rows) at std 0.02, w2 and w3 at init_std."""
         inter = self.w13.shape[1] // 2
@@ -52,6 +72,8 @@ class MegaMoELayer(MoE):
     megamoe_options: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _split_over_ep(self.experts):  # TorchTitan's all-to-alls move the rows; megamoe runs the experts
+            return super().forward(x)
         bs, slen, dim = x.shape
         tokens = x.view(-1, dim)
         top_scores, selected_experts_indices, num_tokens_per_expert = self.router(tokens, self.expert_bias)
@@ -62,6 +84,12 @@ class MegaMoELayer(MoE):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(bs, slen, dim)
+
+
+def _split_over_ep(experts: MegaMoEGroupedExperts) -> bool:
+    """Whether TorchTitan's ExpertParallel split these experts over its EP mesh (as TorchTitan's own
+    GroupedExperts tells)."""
+    return isinstance(experts.w13, DTensor) and "ep" in (experts.w13.device_mesh.mesh_dim_names or ())
 
 
 def convert_moe_layers(model: nn.Module, **options) -> int:
@@ -80,7 +108,7 @@ def convert_moe_layers(model: nn.Module, **options) -> int:
             raise ValueError(f"megamoe serves TorchTitan's GroupedExperts, not {type(layer.experts).__qualname__}")
         layer.experts = MegaMoEGroupedExperts(layer.experts)
         layer.__class__ = MegaMoELayer
-        layer.megamoe_options = dict(options)
+        layer.megamoe_options = layer.experts.megamoe_options = dict(options)
     return len(layers)
 
 
@@ -91,14 +119,9 @@ class MegaMoEConverter:
     precision = "bf16"
 
     def __init__(self, job_config, parallel_dims):
-        # 0.2 shards the routed experts under EP with an FSDP unit of their own, whose gathers and
-        # gradient reductions run only when the experts module itself is called (the converted layer
-        # reads its weights directly), and its TP plan splits the routed tokens in a reorderer.
-        for name, degree in (("expert", parallel_dims.ep), ("tensor", parallel_dims.tp)):
-            if degree > 1:
-                raise ValueError(f"megamoe's TorchTitan 0.2 experts do not serve {name} parallelism (degree "
-                                 f"{degree}); torchtitan 0.3 with megamoe.torchtitan serves expert parallelism. "
-                                 "FSDP and data parallelism are served")
+        if parallel_dims.tp > 1:  # its MoE plan splits the routed tokens over the TP ranks in the reorderer
+            raise ValueError(f"megamoe's TorchTitan 0.2 experts do not serve tensor parallelism (degree "
+                             f"{parallel_dims.tp}); expert parallelism, FSDP and data parallelism are served")
 
     def convert(self, model: nn.Module) -> None:
         convert_moe_layers(model, precision=self.precision)

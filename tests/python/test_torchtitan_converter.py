@@ -1,12 +1,17 @@
 """megamoe as TorchTitan 0.2's MoE experts (megamoe.torchtitan_converter): a converted MoE layer gives
 TorchTitan's own layer output and gradients from the same weights (on a GPU), checkpoints in
-TorchTitan's layout, initialises as TorchTitan does, and the refusals. Skipped without torchtitan 0.2
+TorchTitan's layout, initialises as TorchTitan does, trains under TorchTitan's expert parallelism as in
+one process, and the refusals. Skipped without torchtitan 0.2
 (0.3 has no torchtitan.models.moe; test_torchtitan.py covers it)."""
 
 import copy
+import functools
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 pytest.importorskip("torchtitan.models.moe.moe")
 
@@ -82,8 +87,8 @@ def test_refusals():
         convert_moe_layers(_layer(score_before_experts=True))
 
     class Dims:
-        ep, tp = 2, 1
-    with pytest.raises(ValueError, match="do not serve expert parallelism.*torchtitan 0.3"):
+        ep, tp = 2, 2
+    with pytest.raises(ValueError, match="do not serve tensor parallelism"):
         MegaMoEConverter(None, Dims())
 
 
@@ -97,3 +102,91 @@ def _converted_layer() -> MoE:
 def test_fully_shard_shards_megamoes_experts_as_torchtitans(tmp_path):
     """FSDP2 over 2 CPU processes on a converted layer: the same output and gradients as unsharded."""
     check_fully_shard(_converted_layer, (2, 24, 128), tmp_path)
+
+
+@pytest.mark.parametrize("backend, device", [("grouped", "cpu"), pytest.param("fused", "cuda", marks=requires_cuda)])
+def test_experts_module_computes_torchtitans_grouped_experts(backend, device):
+    """The converted experts module on rows grouped by expert with padding rows after them (what 0.2's
+    ExpertParallel hands it): TorchTitan's GroupedExperts' output and gradients, zeros for the padding."""
+    native = _layer(shared=0).experts.to(device)
+    converted = MegaMoEGroupedExperts(copy.deepcopy(native))
+    converted.megamoe_options = {"backend": backend}
+    counts = torch.tensor([5, 0, 16, 3, 8, 1, 0, 7], device=device)
+    routed = int(counts.sum())
+    rows = torch.randn(routed + 6, 128, device=device)  # 6 padding rows
+    results = {}
+    for name, experts in (("native", native), ("megamoe", converted)):
+        x = rows.clone().requires_grad_()
+        y = experts(x, counts)
+        y[:routed].float().square().sum().backward()
+        w13_grad = experts.w13.grad if name == "megamoe" else torch.cat([experts.w1.grad, experts.w3.grad], dim=1)
+        results[name] = (y[:routed], x.grad[:routed], w13_grad, experts.w2.grad)
+    assert not y[routed:].any()
+    for got, want in zip(results["megamoe"], results["native"]):
+        assert relative_error(got, want) < 2e-2  # two bf16 computations, each within 1e-2 of exact
+
+
+EP_WORLD = 2
+
+
+def _qwen3() -> torch.nn.Module:
+    """TorchTitan 0.2's Qwen3 debug MoE model with megamoe's experts, two layers of 8 experts,
+    initialised as TorchTitan does."""
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+    args = copy.deepcopy(qwen3_args["debugmodel_moe"])
+    args.n_layers, args.moe_args.num_experts, args.moe_inter_dim = 2, 8, 128
+    args.moe_args.use_grouped_mm = False
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    convert_moe_layers(model, backend="grouped")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
+    """This rank's half of each batch through the model parallelised by TorchTitan's parallelize_qwen3
+    (EP 2 over dp_shard 2, FSDP), AdamW steps, against the model trained in one process on whole
+    batches: the same losses."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
+    import torchtitan.models.moe.utils as moe_utils
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
+
+    # TorchTitan on the CPU: its meshes default to CUDA, its EP permutation to a Triton kernel, its
+    # gradient division to PREMUL_SUM (not in gloo; FSDP's own averaging stays), histc has no int64 kernel.
+    parallel_dims_module.device_type = "cpu"
+    moe_utils.generate_permute_indices = functools.partial(moe_utils.generate_permute_indices, use_cpu=True)
+    llama4_parallelize.disable_fsdp_gradient_division = lambda model: None
+    torch.histc = lambda ids, bins, min, max: torch.bincount(ids, minlength=bins)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
+    job = JobConfig()
+    job.parallelism.data_parallel_shard_degree = job.parallelism.expert_parallel_degree = EP_WORLD
+    job.training.seq_len, job.training.mixed_precision_param = 32, "float32"
+    job.activation_checkpoint.mode = "none"
+    dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD, etp=1, world_size=EP_WORLD)
+    models = (parallelize_qwen3(_qwen3(), dims, job), _qwen3())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    batches = torch.randint(0, 2000, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
+    for batch in batches:
+        losses = []
+        for model, optimizer, ids in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch)):
+            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        dist.all_reduce(losses[0])
+        assert (losses[0] / EP_WORLD).item() == pytest.approx(losses[1].item(), rel=1e-5)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_trains_under_torchtitans_expert_parallelism_as_one_process(tmp_path):
+    """TorchTitan 0.2's EP (its all-to-alls around the experts module, the experts' own FSDP unit) with
+    megamoe computing each rank's experts, over 2 CPU processes (gloo)."""
+    mp.spawn(_rank_trains_as_one_process, args=(str(tmp_path / "store"), 3), nprocs=EP_WORLD, join=True)
