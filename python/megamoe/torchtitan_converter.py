@@ -35,6 +35,8 @@ __all__ = ["MegaMoEConverter", "MegaMoEGroupedExperts", "MegaMoELayer", "convert
 class MegaMoEGroupedExperts(nn.Module):
     """TorchTitan 0.2's GroupedExperts with gate and up in one weight, `w13 [E, 2F, D]`."""
 
+    megamoe_options: dict
+
     def __init__(self, experts: GroupedExperts):
         super().__init__()
         self.num_experts = experts.num_experts
@@ -42,8 +44,6 @@ class MegaMoEGroupedExperts(nn.Module):
             self.w13 = nn.Parameter(torch.cat([experts.w1, experts.w3], dim=1))
         self.w2 = experts.w2
         checkpoint_split(self, "w1", "w3")
-
-    megamoe_options: dict
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Each row of x [R, D] through its expert, as TorchTitan's GroupedExperts computes it: the rows
