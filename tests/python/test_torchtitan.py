@@ -332,3 +332,66 @@ def test_expert_parallel_layer_under_torchtitans_fsdp(tmp_path):
     device = "cuda" if HAS_CUDA else "cpu"
     mp.spawn(_rank_matches_one_process, args=(str(tmp_path / "store"), "spmd_types", "own batches", device, True),
              nprocs=EP_WORLD, join=True)
+
+
+def _qwen3_debug_model(expert_parallel: bool) -> torch.nn.Module:
+    """Two layers of TorchTitan's Qwen3 MoE debug model with megamoe's experts (fused where its EP
+    exchange runs, the grouped baseline in one process), configured as TorchTitan's trainer configures
+    it for EP or not, initialised from one seed."""
+    from megamoe import torchtitan as _  # registers the override  # noqa: F401
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    cfg = copy.deepcopy(model_registry("debugmodel_moe").model)
+    cfg.layers = cfg.layers[:2]
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=expert_parallel)
+    apply_overrides(OverrideConfig(imports=[(OVERRIDE, {"backend": "fused" if expert_parallel else "grouped"})]), cfg)
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    return model
+
+
+def _rank_model_matches_one_process(rank: int, store: str, dump_folder: str) -> None:
+    """This rank's half of a batch through the model parallelised by TorchTitan's parallelize_qwen3
+    (EP 2 over dp_shard 2, FSDP, spmd_types) against the whole batch in one process: the logits."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.utils import get_spmd_context, set_spmd_backend
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    parallel_dims_module.device_type = "cpu"  # TorchTitan's meshes default to CUDA
+    _exchange_on_the_cpu()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
+    set_spmd_backend("spmd_types")
+    parallelism = ParallelismConfig(data_parallel_shard_degree=EP_WORLD, expert_parallel_degree=EP_WORLD,
+                                    spmd_backend="spmd_types")
+    parallel_dims = ParallelDims.from_config(parallelism, EP_WORLD)
+    model = parallelize_qwen3(_qwen3_debug_model(expert_parallel=True), parallel_dims=parallel_dims,
+                              training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
+                              compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder)
+    one_process = _qwen3_debug_model(expert_parallel=False)
+
+    def logits(m, ids):
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        return m(ids, positions=positions, attention_masks=m.get_attention_masks(positions=positions))
+    batch = torch.randint(0, 2048, (2 * EP_WORLD, 32), generator=torch.Generator().manual_seed(5))
+    own = slice(2 * rank, 2 * rank + 2)
+    with torch.no_grad():  # TorchTitan's flex attention has no backward on the CPU
+        with get_spmd_context(parallel_dims=parallel_dims)():
+            got = logits(model, batch[own])
+        assert relative_error(got, logits(one_process, batch)[own]) < 1e-2
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_model_parallelised_by_torchtitan_matches_one_process(tmp_path):
+    """TorchTitan's own parallelize_qwen3 with expert_parallel_degree = 2 on a model with megamoe's
+    experts (2 CPU processes over gloo, the all-to-all baseline standing in for megamoe's exchange):
+    the EP mesh's group reaches the override through TorchTitan's real configuration path, FSDP
+    included."""
+    pytest.importorskip("torchtitan.models.qwen3", reason="TorchTitan's models need a PyTorch newer than 2.11",
+                        exc_type=ImportError)
+    mp.spawn(_rank_model_matches_one_process, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=EP_WORLD,
+             join=True)
