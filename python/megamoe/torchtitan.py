@@ -28,12 +28,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
-from .torchtitan_layout import checkpoint_split, routed_experts
+from .torchtitan_layout import checkpoint_split, local_part, routed_experts
 from .validation import check_options
 
 __all__ = ["MegaMoEExperts", "MegaMoERoutedExperts", "megamoe_experts"]
@@ -76,7 +75,7 @@ class MegaMoERoutedExperts(RoutedExperts):
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         experts = self.inner_experts
-        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, _local(experts.w13), _local(experts.w2_EDF),
+        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, local_part(experts.w13), local_part(experts.w2_EDF),
                               backend=self.backend, precision=self.precision, recompute=self.recompute,
                               activation=self.activation, group=self.group)
 
@@ -96,11 +95,6 @@ class MegaMoERoutedExperts(RoutedExperts):
         super().parallelize(parallel_dims)
         if ep:
             self.group = parallel_dims.get_optional_mesh("ep").get_group()
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a weight TorchTitan distributed as a DTensor (spmd_types keeps plain tensors)."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _fused_init(gate: Callable | None, up: Callable | None) -> Callable | None:

@@ -25,8 +25,7 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model_converter import register_model_converter
 
-from .functional import moe
-from .torchtitan_layout import checkpoint_split, routed_experts
+from .torchtitan_layout import checkpoint_split, local_part, routed_experts
 from .validation import check_options
 
 __all__ = ["MegaMoEConverter", "MegaMoEGroupedExperts", "MegaMoELayer", "convert_moe_layers"]
@@ -50,13 +49,12 @@ class MegaMoEGroupedExperts(nn.Module):
         come grouped by expert, num_tokens_per_expert [E_local] of each, padding rows after them (zero
         out). The layer calls this under expert parallelism, where ExpertParallel's all-to-alls hand
         this module each rank's rows."""
-        w13, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w13, self.w2))
         ends = num_tokens_per_expert.cumsum(0)
         expert = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)
         expert = torch.where(expert < ends.numel(), expert, -1)  # padding rows: masked routes
         ones = torch.ones(x.shape[0], 1, device=x.device)
-        return moe(x.bfloat16(), expert[:, None], ones, w13.bfloat16(), w2.bfloat16(),
-                   **self.megamoe_options).type_as(x)
+        return routed_experts(x, expert[:, None], ones, local_part(self.w13), local_part(self.w2),
+                              **self.megamoe_options)
 
     def init_weights(self, init_std: float) -> None:
         """As GroupedExperts.init_weights: w1 (the gate rows) at std 0.02, w2 and w3 at init_std."""

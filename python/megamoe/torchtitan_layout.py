@@ -1,12 +1,14 @@
 """What megamoe's TorchTitan adapters share (megamoe/torchtitan.py: the override for torchtitan 0.3;
 megamoe/torchtitan_converter.py: the model converter for 0.2): the experts' gate and up weights as
 one parameter w13 [E, 2F, D] (gate rows, then up rows: what the kernels read, so a step copies no
-weights), checkpointed in TorchTitan's split layout, and the routed experts as one megamoe.moe call."""
+weights), checkpointed in TorchTitan's split layout, this rank's part of a distributed weight, and the
+routed experts as one megamoe.moe call."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .functional import moe
 
@@ -26,6 +28,11 @@ def checkpoint_split(module: nn.Module, gate: str, up: str) -> None:
 
     module.register_state_dict_post_hook(split)
     module.register_load_state_dict_pre_hook(merge)
+
+
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight TorchTitan distributed as a DTensor (plain tensors as they are)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor, w13: torch.Tensor,

@@ -20,6 +20,7 @@ from torchtitan.models.common.config_utils import (  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts  # noqa: E402
 
 from megamoe.reference import relative_error  # noqa: E402
+from megamoe.torchtitan_layout import local_part  # noqa: E402
 
 from conftest import HAS_CUDA, requires_cuda  # noqa: E402
 from fsdp_sharding import check_fully_shard  # noqa: E402
@@ -269,8 +270,6 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     assert dist.get_process_group_ranks(layer.routed_experts.group) == list(range(EP_WORLD))
     model = _fully_shard_as_torchtitan(layer, parallel_dims) if fsdp else layer
 
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
     batches = torch.randn(EP_WORLD, 2, 24, 256, generator=torch.Generator().manual_seed(1)).to(device)
     rank_input, whole_input, part = _rank_input(batches, rank, layout)
     x = rank_input.clone().requires_grad_()
@@ -278,7 +277,7 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     if tp > 1 and spmd_backend != "spmd_types":  # the DTensor parallelisms take DTensors across the TP ranks
         layer_input = DTensor.from_local(x, parallel_dims.get_optional_mesh("tp"), [Shard(1) if split else Replicate()])
     with get_spmd_context(parallel_dims=parallel_dims)():  # as TorchTitan's trainer runs a step
-        y = local(model(layer_input))
+        y = local_part(model(layer_input))
         y.float().square().sum().backward()
     x_all = whole_input.clone().requires_grad_()
     y_all = one_process(x_all)
@@ -292,9 +291,9 @@ def _rank_matches_one_process(rank: int, store: str, spmd_backend: str, layout: 
     else:
         share = experts.num_experts // EP_WORLD
         own_experts = slice(share * rank, share * (rank + 1))
-        w13_grad, w2_grad = local(experts.w13.grad), local(experts.w2_EDF.grad)
-        assert local(experts.w13).shape[0] == share
-        router_grad = local(layer.router.gate.weight.grad).clone()
+        w13_grad, w2_grad = local_part(experts.w13.grad), local_part(experts.w2_EDF.grad)
+        assert local_part(experts.w13).shape[0] == share
+        router_grad = local_part(layer.router.gate.weight.grad).clone()
         dist.all_reduce(router_grad)
     pairs = {"output": (y, y_all[part]), "x grad": (x.grad, x_all.grad[part]),
              "w13 grad": (w13_grad, want.w13.grad[own_experts]), "w2 grad": (w2_grad, want.w2_EDF.grad[own_experts]),
