@@ -3,6 +3,7 @@ TorchTitan's Qwen3 MoE models configure theirs, the same layer output as TorchTi
 the same weights, its checkpoints in TorchTitan's layout, expert parallelism over TorchTitan's EP mesh,
 and the refusals. Skipped without torchtitan 0.3."""
 
+import contextlib
 import copy
 from functools import partial
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 pytest.importorskip("torchtitan.config.override")  # torchtitan 0.3 (0.2: test_torchtitan_converter.py)
 
@@ -336,13 +338,17 @@ def test_expert_parallel_layer_under_torchtitans_fsdp(tmp_path):
 def _qwen3_debug_model(expert_parallel: bool) -> torch.nn.Module:
     """Two layers of TorchTitan's Qwen3 MoE debug model with megamoe's experts (fused where its EP
     exchange runs, the grouped baseline in one process), configured as TorchTitan's trainer configures
-    it for EP or not, initialised from one seed."""
+    it for EP or not, initialised from one seed. Attention is TorchTitan's causal SDPA: its flex
+    attention has no backward on the CPU (one document per sequence, so the masks are the same)."""
     from megamoe import torchtitan as _  # registers the override  # noqa: F401
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     cfg = copy.deepcopy(model_registry("debugmodel_moe").model)
     cfg.layers = cfg.layers[:2]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=expert_parallel)
     apply_overrides(OverrideConfig(imports=[(OVERRIDE, {"backend": "fused" if expert_parallel else "grouped"})]), cfg)
     torch.manual_seed(0)
@@ -351,10 +357,14 @@ def _qwen3_debug_model(expert_parallel: bool) -> torch.nn.Module:
     return model
 
 
-def _rank_model_matches_one_process(rank: int, store: str, dump_folder: str) -> None:
-    """This rank's half of a batch through the model parallelised by TorchTitan's parallelize_qwen3
-    (EP 2 over dp_shard 2, FSDP, spmd_types) against the whole batch in one process: the logits."""
+def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, steps: int) -> None:
+    """This rank's half of each batch through the model parallelised by TorchTitan's parallelize_qwen3
+    (EP 2 over dp_shard 2, FSDP, spmd_types), AdamW steps, against the model trained in one process on
+    whole batches: the same losses. As TorchTitan's trainer does, FSDP sums the gradients (no division)
+    and each rank's loss is its tokens' summed cross entropy over the global token count."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import get_spmd_context, set_spmd_backend
@@ -370,27 +380,46 @@ def _rank_model_matches_one_process(rank: int, store: str, dump_folder: str) -> 
     model = parallelize_qwen3(_qwen3_debug_model(expert_parallel=True), parallel_dims=parallel_dims,
                               training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder)
-    one_process = _qwen3_debug_model(expert_parallel=False)
+    for module in model.modules():  # FSDP sums with PREMUL_SUM(1.0), which gloo lacks: the same sum
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    models = (model, _qwen3_debug_model(expert_parallel=False))
 
-    def logits(m, ids):
-        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        return m(ids, positions=positions, attention_masks=m.get_attention_masks(positions=positions))
-    batch = torch.randint(0, 2048, (2 * EP_WORLD, 32), generator=torch.Generator().manual_seed(5))
-    own = slice(2 * rank, 2 * rank + 2)
-    with torch.no_grad():  # TorchTitan's flex attention has no backward on the CPU
-        with get_spmd_context(parallel_dims=parallel_dims)():
-            got = logits(model, batch[own])
-        assert relative_error(got, logits(one_process, batch)[own]) < 1e-2
+    def full_tensor(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    batches = torch.randint(0, 2048, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
+    spmd_context = get_spmd_context(parallel_dims=parallel_dims)
+    for step, batch in enumerate(batches):
+        losses, grads = [], []
+        for m, optimizer, ids, context in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch),
+                                              (spmd_context, contextlib.nullcontext)):
+            inputs, labels = ids[:, :-1], ids[:, 1:]
+            with context():
+                logits = m(inputs, positions=torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                loss = loss / batch[:, 1:].numel()
+                loss.backward()
+            grads.append({name: full_tensor(p.grad) for name, p in m.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        dist.all_reduce(losses[0])
+        assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-4), f"step {step}"
+        if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
+            assert grads[0].keys() == grads[1].keys()
+            for name, got in grads[0].items():
+                assert relative_error(got, grads[1][name]) < 1e-2, name
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_model_parallelised_by_torchtitan_matches_one_process(tmp_path):
+def test_model_parallelised_by_torchtitan_trains_as_one_process(tmp_path):
     """TorchTitan's own parallelize_qwen3 with expert_parallel_degree = 2 on a model with megamoe's
-    experts (2 CPU processes over gloo, the all-to-all baseline standing in for megamoe's exchange):
-    the EP mesh's group reaches the override through TorchTitan's real configuration path, FSDP
-    included."""
+    experts (2 CPU processes over gloo, the all-to-all baseline standing in for megamoe's exchange),
+    three training steps: the EP mesh's group reaches the override through TorchTitan's real
+    configuration path, and FSDP gathers and reduces the experts' weights and gradients."""
     pytest.importorskip("torchtitan.models.qwen3", reason="TorchTitan's models need a PyTorch newer than 2.11",
                         exc_type=ImportError)
-    mp.spawn(_rank_model_matches_one_process, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=EP_WORLD,
-             join=True)
+    mp.spawn(_rank_model_trains_as_one_process, args=(str(tmp_path / "store"), str(tmp_path), 3),
+             nprocs=EP_WORLD, join=True)
