@@ -5,7 +5,8 @@
 # (default runs/ab); MEGAMOE_WHEELS is a folder of wheels to install offline (build_libraries.sh).
 #   bash scripts/experiments/ab_libraries.sh <name>[:<args>] ... [-- <megamoe.bench args>]
 # A name may be followed by arguments of its own after a colon, commas for spaces, added to that run's (e.g.
-# `main:--recompute,gather` beside `main`: one library timed with two options).
+# `main:--backends,fused-recompute-gather` beside `main`: one library timed with two options; with
+# AB_MODULE=time_moe, `main:--recompute,gather`).
 # AB_MODULE=megamoe.bench.profile compares kernel by kernel instead (args: that module's, e.g.
 # -- --preset qwen3-30b-a3b --mode fwdbwd --iterations 10); it prints each profile's head.
 # AB_MODULE=time_moe times each revision's megamoe.moe with this tree's timing (time_moe.py; args:
@@ -31,8 +32,8 @@ for round in 1 2; do
     MEGAMOE_LIBRARY=/tmp/b_$n/libmegamoe.so PYTHONPATH=/tmp/megamoe-site:/tmp/src_$n/python MEGAMOE_COMMIT=$n \
       timeout 200 "${runner[@]}" $bench_args $own_args --out "$out/$label-$round" 2>&1 |
       case "$module" in
-        megamoe.bench) grep -E "│|Error|Traceback" ;;
-        time_moe) grep -E "^{|Error|Traceback" ;;
+        megamoe.bench) grep -E "│|Error|error:|Traceback" ;;
+        time_moe) grep -E "^{|Error|error:|Traceback" ;;
         *) head -12 ;;
       esac
   done
