@@ -149,19 +149,21 @@ def _qwen3() -> torch.nn.Module:
 def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     """This rank's half of each batch through the model parallelised by TorchTitan's parallelize_qwen3
     (EP 2 over dp_shard 2, FSDP), AdamW steps, against the model trained in one process on whole
-    batches: the same losses."""
+    batches: the same losses, and at the first step every parameter's gradient. As TorchTitan's
+    trainer does, FSDP sums the gradients (no division) and each rank's loss is its tokens' summed
+    cross entropy over the global token count."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
     import torchtitan.models.moe.utils as moe_utils
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
 
-    # TorchTitan on the CPU: its meshes default to CUDA, its EP permutation to a Triton kernel, its
-    # gradient division to PREMUL_SUM (not in gloo; FSDP's own averaging stays), histc has no int64 kernel.
+    # TorchTitan on the CPU: its meshes default to CUDA, its EP permutation to a Triton kernel, histc has
+    # no int64 kernel.
     parallel_dims_module.device_type = "cpu"
     moe_utils.generate_permute_indices = functools.partial(moe_utils.generate_permute_indices, use_cpu=True)
-    llama4_parallelize.disable_fsdp_gradient_division = lambda model: None
     torch.histc = lambda ids, bins, min, max: torch.bincount(ids, minlength=bins)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=EP_WORLD)
     job = JobConfig()
@@ -169,19 +171,30 @@ def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     job.training.seq_len, job.training.mixed_precision_param = 32, "float32"
     job.activation_checkpoint.mode = "none"
     dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD, etp=1, world_size=EP_WORLD)
-    models = (parallelize_qwen3(_qwen3(), dims, job), _qwen3())
+    model = parallelize_qwen3(_qwen3(), dims, job)
+    for module in model.modules():  # FSDP sums with PREMUL_SUM(1.0), which gloo lacks: the same sum
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    models = (model, _qwen3())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     batches = torch.randint(0, 2000, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
-    for batch in batches:
-        losses = []
-        for model, optimizer, ids in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch)):
-            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+    for step, batch in enumerate(batches):
+        losses, grads = [], []
+        for m, optimizer, ids in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch)):
+            loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            loss = loss / batch[:, 1:].numel()
             loss.backward()
+            grads.append({name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                          for name, p in m.named_parameters()})
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
         dist.all_reduce(losses[0])
-        assert (losses[0] / EP_WORLD).item() == pytest.approx(losses[1].item(), rel=1e-5)
+        assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5), f"step {step}"
+        if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
+            assert grads[0].keys() == grads[1].keys()
+            for name, got in grads[0].items():
+                assert relative_error(got, grads[1][name]) < 1e-2, name
     dist.barrier()
     dist.destroy_process_group()
 
