@@ -1,6 +1,7 @@
 """FSDP2 (`fully_shard`) on a module with megamoe's experts, over W CPU processes (gloo): the sharded
 module's output and parameter gradients equal the unsharded module's. Every rank runs the same batch,
-so the gradient FSDP averages over the ranks is the one-process gradient."""
+so the gradient FSDP averages over the ranks is the one-process gradient. Also the helpers the
+TorchTitan tests share to train a parallelised model against one process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,30 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from megamoe.reference import relative_error
+
+
+def sum_gradients_as_torchtitan(model: torch.nn.Module) -> None:
+    """TorchTitan's FSDP sums the gradients (divide factor 1; its trainer divides the loss by the
+    global token count) through PREMUL_SUM(1.0), which gloo lacks: the same sum through SUM."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's whole gradient by name (a sharded one gathered)."""
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in model.named_parameters()}
+
+
+def check_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: float = 1e-2) -> None:
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        assert relative_error(grad, want[name]) < bound, name
 
 
 def _sharded_matches_unsharded(rank: int, world: int, store: str, build: Callable[[], torch.nn.Module],

@@ -25,7 +25,7 @@ from megamoe.reference import relative_error  # noqa: E402
 from megamoe.torchtitan_layout import local_part  # noqa: E402
 
 from conftest import HAS_CUDA, requires_cuda  # noqa: E402
-from fsdp_sharding import check_fully_shard  # noqa: E402
+from fsdp_sharding import check_fully_shard, check_gradients, gradients, sum_gradients_as_torchtitan  # noqa: E402
 
 OVERRIDE = "megamoe.torchtitan.megamoe_experts"
 NORMAL_INIT = partial(torch.nn.init.normal_, std=0.02)  # how TorchTitan's Qwen3 initialises w1, w3 and the gate
@@ -363,8 +363,6 @@ def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, s
     whole batches: the same losses. As TorchTitan's trainer does, FSDP sums the gradients (no division)
     and each rank's loss is its tokens' summed cross entropy over the global token count."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import get_spmd_context, set_spmd_backend
@@ -380,13 +378,8 @@ def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, s
     model = parallelize_qwen3(_qwen3_debug_model(expert_parallel=True), parallel_dims=parallel_dims,
                               training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder)
-    for module in model.modules():  # FSDP sums with PREMUL_SUM(1.0), which gloo lacks: the same sum
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+    sum_gradients_as_torchtitan(model)
     models = (model, _qwen3_debug_model(expert_parallel=False))
-
-    def full_tensor(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     batches = torch.randint(0, 2048, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
     spmd_context = get_spmd_context(parallel_dims=parallel_dims)
@@ -400,16 +393,14 @@ def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, s
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
                 loss = loss / batch[:, 1:].numel()
                 loss.backward()
-            grads.append({name: full_tensor(p.grad) for name, p in m.named_parameters()})
+            grads.append(gradients(m))
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
         dist.all_reduce(losses[0])
         assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-4), f"step {step}"
         if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
-            assert grads[0].keys() == grads[1].keys()
-            for name, got in grads[0].items():
-                assert relative_error(got, grads[1][name]) < 1e-2, name
+            check_gradients(*grads)
     dist.barrier()
     dist.destroy_process_group()
 

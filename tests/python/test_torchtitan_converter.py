@@ -20,7 +20,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs  # noqa: E402
 from megamoe.reference import relative_error  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
-from fsdp_sharding import check_fully_shard  # noqa: E402
+from fsdp_sharding import check_fully_shard, check_gradients, gradients, sum_gradients_as_torchtitan  # noqa: E402
 from megamoe.torchtitan_converter import (MegaMoEConverter, MegaMoEGroupedExperts, MegaMoELayer,  # noqa: E402
                                           convert_moe_layers)
 
@@ -154,8 +154,6 @@ def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     cross entropy over the global token count."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.models.moe.utils as moe_utils
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
@@ -172,9 +170,7 @@ def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     job.activation_checkpoint.mode = "none"
     dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD, etp=1, world_size=EP_WORLD)
     model = parallelize_qwen3(_qwen3(), dims, job)
-    for module in model.modules():  # FSDP sums with PREMUL_SUM(1.0), which gloo lacks: the same sum
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+    sum_gradients_as_torchtitan(model)
     models = (model, _qwen3())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     batches = torch.randint(0, 2000, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
@@ -184,17 +180,14 @@ def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
             loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
             loss = loss / batch[:, 1:].numel()
             loss.backward()
-            grads.append({name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                          for name, p in m.named_parameters()})
+            grads.append(gradients(m))
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
         dist.all_reduce(losses[0])
         assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5), f"step {step}"
         if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
-            assert grads[0].keys() == grads[1].keys()
-            for name, got in grads[0].items():
-                assert relative_error(got, grads[1][name]) < 1e-2, name
+            check_gradients(*grads)
     dist.barrier()
     dist.destroy_process_group()
 
