@@ -3,7 +3,6 @@ TorchTitan's Qwen3 MoE models configure theirs, the same layer output as TorchTi
 the same weights, its checkpoints in TorchTitan's layout, expert parallelism over TorchTitan's EP mesh,
 and the refusals. Skipped without torchtitan 0.3."""
 
-import contextlib
 import copy
 from functools import partial
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 pytest.importorskip("torchtitan.config.override")  # torchtitan 0.3 (0.2: test_torchtitan_converter.py)
 
@@ -25,7 +23,7 @@ from megamoe.reference import relative_error  # noqa: E402
 from megamoe.torchtitan_layout import local_part  # noqa: E402
 
 from conftest import HAS_CUDA, requires_cuda  # noqa: E402
-from fsdp_sharding import check_fully_shard, check_gradients, gradients, sum_gradients_as_torchtitan  # noqa: E402
+from fsdp_sharding import check_fully_shard, train_as_one_process  # noqa: E402
 
 OVERRIDE = "megamoe.torchtitan.megamoe_experts"
 NORMAL_INIT = partial(torch.nn.init.normal_, std=0.02)  # how TorchTitan's Qwen3 initialises w1, w3 and the gate
@@ -357,11 +355,14 @@ def _qwen3_debug_model(expert_parallel: bool) -> torch.nn.Module:
     return model
 
 
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, positions=torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+
+
 def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, steps: int) -> None:
     """This rank's half of each batch through the model parallelised by TorchTitan's parallelize_qwen3
     (EP 2 over dp_shard 2, FSDP, spmd_types), AdamW steps, against the model trained in one process on
-    whole batches: the same losses. As TorchTitan's trainer does, FSDP sums the gradients (no division)
-    and each rank's loss is its tokens' summed cross entropy over the global token count."""
+    whole batches (fsdp_sharding.train_as_one_process: losses, and every gradient at the first step)."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -378,29 +379,8 @@ def _rank_model_trains_as_one_process(rank: int, store: str, dump_folder: str, s
     model = parallelize_qwen3(_qwen3_debug_model(expert_parallel=True), parallel_dims=parallel_dims,
                               training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder)
-    sum_gradients_as_torchtitan(model)
-    models = (model, _qwen3_debug_model(expert_parallel=False))
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    batches = torch.randint(0, 2048, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
-    spmd_context = get_spmd_context(parallel_dims=parallel_dims)
-    for step, batch in enumerate(batches):
-        losses, grads = [], []
-        for m, optimizer, ids, context in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch),
-                                              (spmd_context, contextlib.nullcontext)):
-            inputs, labels = ids[:, :-1], ids[:, 1:]
-            with context():
-                logits = m(inputs, positions=torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1))
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                loss = loss / batch[:, 1:].numel()
-                loss.backward()
-            grads.append(gradients(m))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        dist.all_reduce(losses[0])
-        assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-4), f"step {step}"
-        if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
-            check_gradients(*grads)
+    train_as_one_process(model, _qwen3_debug_model(expert_parallel=False), rank, EP_WORLD, steps, vocab=2048,
+                         loss_rel=1e-4, logits=_logits, context=get_spmd_context(parallel_dims=parallel_dims))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 pytest.importorskip("torchtitan.models.moe.moe")
 
@@ -20,7 +19,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs  # noqa: E402
 from megamoe.reference import relative_error  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
-from fsdp_sharding import check_fully_shard, check_gradients, gradients, sum_gradients_as_torchtitan  # noqa: E402
+from fsdp_sharding import check_fully_shard, train_as_one_process  # noqa: E402
 from megamoe.torchtitan_converter import (MegaMoEConverter, MegaMoEGroupedExperts, MegaMoELayer,  # noqa: E402
                                           convert_moe_layers)
 
@@ -149,9 +148,7 @@ def _qwen3() -> torch.nn.Module:
 def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     """This rank's half of each batch through the model parallelised by TorchTitan's parallelize_qwen3
     (EP 2 over dp_shard 2, FSDP), AdamW steps, against the model trained in one process on whole
-    batches: the same losses, and at the first step every parameter's gradient. As TorchTitan's
-    trainer does, FSDP sums the gradients (no division) and each rank's loss is its tokens' summed
-    cross entropy over the global token count."""
+    batches (fsdp_sharding.train_as_one_process: losses, and every gradient at the first step)."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.models.moe.utils as moe_utils
     from torchtitan.config import JobConfig
@@ -170,24 +167,7 @@ def _rank_trains_as_one_process(rank: int, store: str, steps: int) -> None:
     job.activation_checkpoint.mode = "none"
     dims = ParallelDims(dp_replicate=1, dp_shard=EP_WORLD, cp=1, tp=1, pp=1, ep=EP_WORLD, etp=1, world_size=EP_WORLD)
     model = parallelize_qwen3(_qwen3(), dims, job)
-    sum_gradients_as_torchtitan(model)
-    models = (model, _qwen3())
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    batches = torch.randint(0, 2000, (steps, 2 * EP_WORLD, 33), generator=torch.Generator().manual_seed(5))
-    for step, batch in enumerate(batches):
-        losses, grads = [], []
-        for m, optimizer, ids in zip(models, optimizers, (batch[2 * rank:2 * rank + 2], batch)):
-            loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-            loss = loss / batch[:, 1:].numel()
-            loss.backward()
-            grads.append(gradients(m))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        dist.all_reduce(losses[0])
-        assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5), f"step {step}"
-        if step == 0:  # every parameter's summed gradient, the experts' included, from the same weights
-            check_gradients(*grads)
+    train_as_one_process(model, _qwen3(), rank, EP_WORLD, steps, vocab=2000, loss_rel=1e-5)
     dist.barrier()
     dist.destroy_process_group()
 
