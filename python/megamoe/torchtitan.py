@@ -75,9 +75,9 @@ class MegaMoERoutedExperts(RoutedExperts):
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         experts = self.inner_experts
-        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, local_part(experts.w13), local_part(experts.w2_EDF),
-                              backend=self.backend, precision=self.precision, recompute=self.recompute,
-                              activation=self.activation, group=self.group)
+        return routed_experts(x_BLD, topk_expert_ids_BLK, topk_scores_BLK, local_part(experts.w13),
+                              local_part(experts.w2_EDF), backend=self.backend, precision=self.precision,
+                              recompute=self.recompute, activation=self.activation, group=self.group)
 
     def parallelize(self, parallel_dims) -> None:
         """Under expert parallelism TorchTitan hands this module each rank's share of the tokens with
