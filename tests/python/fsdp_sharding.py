@@ -88,8 +88,7 @@ def _sharded_matches_unsharded(rank: int, world: int, store: str, build: Callabl
     for name, m in (("sharded", module), ("unsharded", unsharded)):
         y = m(x)
         y.float().square().mean().backward()
-        grads = {key: p.grad.full_tensor() if name == "sharded" else p.grad for key, p in m.named_parameters()}
-        outputs[name] = (y, grads)
+        outputs[name] = (y, _gradients(m))
     assert torch.equal(outputs["sharded"][0], outputs["unsharded"][0])
     assert outputs["sharded"][1].keys() == outputs["unsharded"][1].keys()
     for key, grad in outputs["unsharded"][1].items():
