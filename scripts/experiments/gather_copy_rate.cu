@@ -12,9 +12,6 @@
 // With a cluster size C > 1 (bulk-warp only), CTAs sharing their rows (as a GEMM's tiles of one pool
 // block would) form clusters of C: each CTA issues every C-th row's copy, multicast to all C.
 // Built with the tests (CMakeLists.txt): <build dir>/gather_copy_rate 512 64 bulk-warp [C]
-#include <cuda.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -22,14 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    const cudaError_t status = (call);                                                       \
-    if (status != cudaSuccess) {                                                             \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(status));             \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#include "tma_ring.cuh"
 
 namespace {
 
@@ -41,27 +31,6 @@ constexpr int kTotalStages = 196608;
 constexpr int kMaxRows = 128;
 enum Kind { kBulk, kBulkSeq, kBulkWarp, kBox };
 
-__device__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ void barrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes));
-}
-__device__ void barrier_wait(uint64_t* bar, uint32_t phase) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(phase));
-}
-__device__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
 __device__ void multicast_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint16_t ctas) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;" ::
@@ -82,13 +51,6 @@ __device__ uint32_t cluster_rank() {
   return rank;
 }
 __device__ void cluster_sync() { asm volatile("barrier.cluster.arrive;\nbarrier.cluster.wait;" ::: "memory"); }
-__device__ void box_copy(void* dst, const CUtensorMap* map, int column, int row, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(column), "r"(row)
-      : "memory");
-}
 
 // A ring stage: `rows` rows padded by 16 bytes, rounded up to 1 KB.
 __host__ __device__ int stage_bytes(int bytes, int rows) { return ((rows * (bytes + 16) + 1023) / 1024) * 1024; }
@@ -162,27 +124,6 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
   if (cluster > 1) cluster_sync();  // no CTA leaves while a peer may still write to it
 }
 
-CUtensorMap row_boxes(void* x, int bytes) {
-  typedef CUresult (*Encode)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                             const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                             CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  void* encode = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, &found));
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {kRowBytes / 2, kTokens};
-  const cuuint64_t strides[1] = {kRowBytes};
-  const cuuint32_t box[2] = {cuuint32_t(bytes / 2), 1};
-  const cuuint32_t element_strides[2] = {1, 1};
-  if (reinterpret_cast<Encode>(encode)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, dims, strides, box,
-                                       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed\n");
-    std::exit(1);
-  }
-  return map;
-}
 
 }  // namespace
 
@@ -216,7 +157,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&route_tokens, tokens.size() * sizeof(int32_t)));
   CHECK(cudaMemcpy(route_tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   CHECK(cudaMalloc(&sink, sizeof(int)));
-  const CUtensorMap map = kind == kBox ? row_boxes(x, bytes) : CUtensorMap{};
+  const CUtensorMap map = kind == kBox ? bf16_boxes(x, kTokens, kRowBytes / 2, kRowBytes, 1, uint32_t(bytes / 2),
+                                                   CU_TENSOR_MAP_SWIZZLE_NONE)
+                                      : CUtensorMap{};
   CHECK(cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster_dims{};
