@@ -124,7 +124,6 @@ gather(const uint8_t* __restrict__ x, const int32_t* __restrict__ route_tokens, 
   if (cluster > 1) cluster_sync();  // no CTA leaves while a peer may still write to it
 }
 
-
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -1,8 +1,8 @@
 // How fast can a GEMM producer stream expert weights through TMA when every expert gets few rows
 // (30B at 1024 tokens), and what of the GEMM's own structure slows the stream? One CTA per SM reads
-// the 30B GEMM1's w13 [128 * 1536, 2048] bf16 tile by tile in the GEMM's order (a tile: 128 gate
-// rows and the matching 128 up rows over the whole K, 6 tiles per expert), with no math, and is
-// timed against a device copy of the same bytes. Kinds of stage:
+// the 30B GEMM1's w13 [128 * 1536, 2048] bf16 tile by tile, each once as GEMM1 reads it (a tile: 128
+// gate rows and the matching 128 up rows over the whole K; an expert's 6 tiles on consecutive CTAs),
+// with no math, and is timed against a device copy of the same bytes. Kinds of stage:
 //   k64    2 boxes of 128 rows x 64 columns (128B swizzle), as the GEMM's ring: 32 KB
 //   k128   4 such boxes, columns k and k + 64 of gate and up: 64 KB
 //   bulk   2 contiguous 16 KB pieces of the gate and up blocks (a bulk copy ignores the row layout,
