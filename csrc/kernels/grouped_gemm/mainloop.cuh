@@ -87,10 +87,9 @@ __device__ void produce_operands(const CUtensorMap* tma_a, const CUtensorMap* tm
       Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
       uint64_t* full = smem.full(state.stage);
       Barrier::arrive_and_expect_tx(full, Cfg::kStageBytes);  // A, every B box, A's scales
-      LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * Cfg::kKBlock, 0,
-                                    o.a_cache_hint);
+      LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * Cfg::kKBlock, 0);
       LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(state.stage), o.b_mn,
-                                                    o.b_k + kb * Cfg::kKBlock, o.b_box_stride, kTmaCacheHint);
+                                                    o.b_k + kb * Cfg::kKBlock, o.b_box_stride);
       if constexpr (Cfg::kFp8) {
         cute::SM90_TMA_LOAD_2D::copy(&mainloop.a_scales, full, kTmaCacheHint, smem.a_scales(state.stage), o.a_mn,
                                      o.a_k / Cfg::kKBlock + kb);

@@ -38,8 +38,6 @@ namespace gmma = cute::SM90::GMMA;
 constexpr int kMnBoxCols = kSwizzleBytes / 2;                // 64 bf16 of M/N per MN-major box
 constexpr int kMnBoxBytes = kMnBoxCols * kBlockK * 2;         // 8 KB
 constexpr uint64_t kTmaCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-// For a tile that is read again after other loads stream past it (scheduler.cuh, PoolScheduler).
-constexpr uint64_t kTmaKeepHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_LAST);
 
 __device__ inline uint64_t make_descriptor(const void* tile, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   cute::GmmaDescriptor desc;
@@ -63,14 +61,12 @@ struct OperandLayout<Major::K> {
   __device__ static uint64_t descriptor(const void* tile) {
     return make_descriptor(tile, 16 /* unused: encodes 1 */, 8 * kSwizzleBytes);
   }
-  // Boxes stacked in the tile: box i holds Rows / Boxes rows from row mn + i * box_stride; cache_hint:
-  // the L2 priority of the loaded lines (kTmaCacheHint, kTmaKeepHint).
+  // Boxes stacked in the tile: box i holds Rows / Boxes rows from row mn + i * box_stride.
   template <int Rows, int Boxes>
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* tile, int mn, int k, int box_stride,
-                              uint64_t cache_hint) {
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* tile, int mn, int k, int box_stride) {
 #pragma unroll
     for (int box = 0; box < Boxes; ++box) {
-      cute::SM90_TMA_LOAD_2D::copy(map, full, cache_hint, tile + box * (Rows / Boxes) * kSwizzleBytes, k,
+      cute::SM90_TMA_LOAD_2D::copy(map, full, kTmaCacheHint, tile + box * (Rows / Boxes) * kSwizzleBytes, k,
                                    mn + box * box_stride);
     }
   }
@@ -86,12 +82,11 @@ struct OperandLayout<Major::MN> {
     return make_descriptor(tile, kMnBoxBytes, 8 * kSwizzleBytes);
   }
   template <int Rows, int Boxes>
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* tile, int mn, int k, int,
-                              uint64_t cache_hint) {
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* tile, int mn, int k, int) {
     static_assert(Boxes == 1 && Rows % kMnBoxCols == 0, "an MN-major tile is Rows / 64 consecutive boxes");
 #pragma unroll
     for (int j = 0; j < Rows / kMnBoxCols; ++j) {
-      cute::SM90_TMA_LOAD_2D::copy(map, full, cache_hint, tile + j * kMnBoxBytes, mn + j * kMnBoxCols, k);
+      cute::SM90_TMA_LOAD_2D::copy(map, full, kTmaCacheHint, tile + j * kMnBoxBytes, mn + j * kMnBoxCols, k);
     }
   }
 };

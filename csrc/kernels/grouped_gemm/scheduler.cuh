@@ -20,18 +20,16 @@
 #include <cstdint>
 
 #include "kernels/grouped_gemm/config.cuh"
-#include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/problem.h"
 
 namespace megamoe::grouped_gemm {
 
 // TMA coordinates of a tile's first k-block: M/N index and K index of A and of B (operand.cuh),
-// the row distance between the boxes of a split K-major B tile, and the L2 priority of A's loads.
+// and the row distance between the boxes of a split K-major B tile.
 struct TileOrigin {
   int a_mn, a_k;
   int b_mn, b_k;
   int b_box_stride;
-  uint64_t a_cache_hint;
 };
 
 // Where an expert's B is: B is addressed as one 2-D matrix over all experts, rows_per_expert rows
@@ -67,28 +65,18 @@ struct PoolScheduler {
     int n_tiles;   // per pool block
     int k_blocks;  // K / the k-block depth, rounded up (TMA fills the last one's columns past K with zeros)
     BRows b_rows;
-    uint64_t a_cache_hint;
   };
-
-  // Each A block is read once per n-tile, mostly by CTAs of one wave. With at most a block of rows per
-  // expert on average, every weight panel is read once and the weights stream past A in L2, evicting
-  // A blocks between their n-tiles at the default priority: A loads at EVICT_LAST there (30B at 1024
-  // tokens, one H100: GEMM1 3.6% and GEMM2 4% faster; at 16384 tokens no faster).
-  static uint64_t a_cache_hint(const megamoe_routing_shape& s) {
-    return s.num_tokens * s.top_k <= int64_t(kBlockM) * s.num_experts ? kTmaKeepHint : kTmaCacheHint;
-  }
 
   // Tiles of tile_n columns of N per pool block (the last may reach past N); Cfg's k-block depth.
   template <class Cfg>
   static Params to_params(const PoolProblem& p, int tile_n, BRows b_rows) {
     return {p.plan->block_expert, p.plan->num_blocks, int(p.max_blocks), (p.n + tile_n - 1) / tile_n,
-            (p.k + Cfg::kKBlock - 1) / Cfg::kKBlock, b_rows, a_cache_hint(p.plan->shape)};
+            (p.k + Cfg::kKBlock - 1) / Cfg::kKBlock, b_rows};
   }
   static int64_t max_tiles(const Params& p) { return int64_t(p.max_blocks) * p.n_tiles; }
 
   const int32_t* block_expert;
   BRows b_rows;
-  uint64_t a_hint;
   int n_tiles;
   int k_blocks;
   int num_blocks;
@@ -96,7 +84,7 @@ struct PoolScheduler {
   int tile_index;
 
   __device__ explicit PoolScheduler(const Params& p)
-      : block_expert(p.block_expert), b_rows(p.b_rows), a_hint(p.a_cache_hint), n_tiles(p.n_tiles), k_blocks(p.k_blocks),
+      : block_expert(p.block_expert), b_rows(p.b_rows), n_tiles(p.n_tiles), k_blocks(p.k_blocks),
         tile_index(int(blockIdx.x)) {
     int blocks = *p.num_blocks;
     num_blocks = blocks < 0 ? 0 : (blocks > p.max_blocks ? p.max_blocks : blocks);  // never past the pool
@@ -129,10 +117,9 @@ struct PoolScheduler {
     static_assert(Cfg::kAMajor == Major::K, "pool rows are the M of a K-major A");
     const int e = expert(t);
     if constexpr (Cfg::kBMajor == Major::K) {
-      return {t.block * kBlockM, 0, e * b_rows.rows_per_expert + t.n_tile * Cfg::kBBoxRows, 0, b_rows.box_stride,
-              a_hint};
+      return {t.block * kBlockM, 0, e * b_rows.rows_per_expert + t.n_tile * Cfg::kBBoxRows, 0, b_rows.box_stride};
     } else {
-      return {t.block * kBlockM, 0, t.n_tile * Cfg::kBlockN, e * b_rows.rows_per_expert, 0, a_hint};
+      return {t.block * kBlockM, 0, t.n_tile * Cfg::kBlockN, e * b_rows.rows_per_expert, 0};
     }
   }
 };

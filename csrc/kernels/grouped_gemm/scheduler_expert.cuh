@@ -83,7 +83,7 @@ struct ExpertScheduler {
   template <class Cfg>
   __device__ TileOrigin origin(const ExpertTile& t) const {
     static_assert(Cfg::kAMajor == Cfg::kBMajor, "A and B both token-major (bf16) or both transposed (FP8)");
-    return {t.m_tile * kBlockM, t.k_row, t.n_tile * Cfg::kBlockN, t.k_row, 0, kTmaCacheHint};
+    return {t.m_tile * kBlockM, t.k_row, t.n_tile * Cfg::kBlockN, t.k_row, 0};
   }
 
   // Bᵀ in 128 x 128 blocks over the whole pool: scales [N / 128, pool rows / 128]; the expert's
