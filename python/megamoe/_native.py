@@ -85,7 +85,8 @@ GatedBackwardFp8Args = _struct("megamoe_gated_backward_fp8_args", ("dy_pool", _p
                                ("dz_t_scales", _ptr), ("hp_t", _ptr), ("hp_t_scales", _ptr), ("intermediate", _i32),
                                ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
 GatedGemmArgs = _struct("megamoe_gated_gemm_args", ("a", _ptr), ("w13", _ptr), ("h", _ptr), ("z", _ptr),
-                        ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
+                        ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32),
+                        ("gather_a", _i32))
 ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr), ("out_rows", _ptr),
                           ("row_of_slot", _ptr), ("num_out_rows", _i64), ("n", _i32), ("k", _i32),
                           ("b_layout", _i32))

@@ -1,7 +1,8 @@
 """backend="fused": the Hopper kernels of the core behind one torch.library op.
 
 Forward: routing plan (ids out of range are counted on the GPU and raise once the launches are
-queued: validation.IdRangeCheck) → dispatch into the expert-major pool (exchange.py) → GEMM1 with
+queued: validation.IdRangeCheck) → dispatch into the expert-major pool (exchange.py; in bf16 at
+small batches GEMM1 reads x's token rows by route instead, and there is no pool) → GEMM1 with
 the gated activation (megamoe.activation; the kernels: SwiGLU) in its epilogue → GEMM2 whose
 epilogue scatters each row into its (token, k) slot → fixed-order combine (exchange.py). The op has
 a fake implementation, so torch.compile traces it without graph breaks; run eagerly, the same
@@ -35,7 +36,8 @@ Memory: z is kept compact (T·K rows, not the pool's worst case), and its memory
 soon as dh has read it, unless a later backward through the same graph needs it (retain_graph); the
 gradients are allocated just before their GEMMs. Where the bf16 pool of x was not kept
 (recompute="gather"), dW13 is made in two column halves of H, each from a pool of x that half
-wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool.
+wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool
+(so too at small batches, where GEMM1 made no pool).
 """
 
 from __future__ import annotations
@@ -64,12 +66,19 @@ def _routed(plan: RoutingPlan, x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(plan.num_routes, x.shape[1], dtype=torch.bfloat16)
 
 
+def _gemm1_gathers(num_routes: int, num_local: int) -> bool:
+    """Whether the bf16 GEMM1 reads x's token rows by route instead of a dispatched pool: where experts
+    get at most a block of rows on average (T·K <= 128·E_local) x stays in L2 while the weights stream
+    past, and the pool would be mostly padding, written and read back through DRAM."""
+    return num_routes <= _native.BLOCK_M * num_local
+
+
 def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
                      fp8_forward: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(routed [T·K, H]: each route's expert output, the bf16 pool of x or None in FP8): x dispatched
-    into the pool (e4m3 with its scales in FP8), GEMM1 with the activation (writing z unless it is
-    None), then GEMM2 into the routes' rows (allocated once GEMM1 is queued: a small batch's GPU
-    waits for the host until then)."""
+    """(routed [T·K, H]: each route's expert output, the bf16 pool of x or None): x dispatched into the
+    pool (e4m3 with its scales in FP8; in bf16 at small batches GEMM1 gathers x's rows itself and
+    there is no pool), GEMM1 with the activation (writing z unless it is None), then GEMM2 into the
+    routes' rows (allocated once GEMM1 is queued: a small batch's GPU waits for the host until then)."""
     if fp8_forward:
         w13_fp8, w2_fp8 = fp8.quantized_weight(w13), fp8.quantized_weight(w2)
         x_pool, x_scales = dispatch_fp8(plan, x)
@@ -78,8 +87,12 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
         routed = _routed(plan, x)
         grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, routed)
         return routed, None
-    x_pool = dispatch(plan, x)
-    h = gated_gemm(x_pool, w13, plan, activation, z)
+    if _gemm1_gathers(plan.num_routes, w13.shape[0]):
+        x_pool = None
+        h = gated_gemm(x.contiguous(), w13, plan, activation, z, gather=True)
+    else:
+        x_pool = dispatch(plan, x)
+        h = gated_gemm(x_pool, w13, plan, activation, z)
     routed = _routed(plan, x)
     grouped_gemm_scatter(h, w2, plan, None, routed)
     return routed, x_pool
@@ -93,7 +106,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
     output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, in "bf16", its pool
     of x [pool rows, H] (what dW13 reads; the FP8 weight gradients read x's token rows, so "fp8" and
-    "fp8_bwd" keep none); otherwise empty. With keep_plan, the routing plan's buffer
+    "fp8_bwd" keep none, and at small batches GEMM1 makes none: _gemm1_gathers); otherwise empty. With keep_plan, the routing plan's buffer
     (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
@@ -135,7 +148,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
         return torch.empty_like(x), x_pool, z, plan
     if keep:
         z = x.new_empty(topk_ids.numel(), w13.shape[1])
-        if keep_pool and precision == "bf16":
+        if keep_pool and precision == "bf16" and not _gemm1_gathers(topk_ids.numel(), w13.shape[0]):
             x_pool = x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
@@ -235,7 +248,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             weight_grad_fp8(dz_t, x, plan, out, b_tokens=True)
         elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
-        else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
+        else:  # not kept (recompute="gather", or GEMM1 gathered x): dispatched again, in column halves
             for cols in _column_halves(x.shape[1]):
                 weight_grad(dz, dispatch(plan, x[:, cols]), plan, out[:, :, cols])
     return tuple(t.new_empty((0,)) if g is None else g

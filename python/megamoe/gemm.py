@@ -78,15 +78,20 @@ def empty_z(plan: RoutingPlan, w13: torch.Tensor) -> torch.Tensor:
 
 
 def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation: str = "swiglu",
-               z: torch.Tensor | None = None) -> torch.Tensor:
-    """h [rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
-    with z (empty_z), the gate | up pre-activations are written there too (the backward's z)."""
+               z: torch.Tensor | None = None, gather: bool = False) -> torch.Tensor:
+    """h [pool rows, I] = act(gate) · up of a[block] · w13[e]ᵀ (gate | up rows of w13 [E_local, 2I, H]);
+    with z (empty_z), the gate | up pre-activations are written there too (the backward's z). a is the
+    plan's pool of x, or with gather the token rows x [T, H] themselves, which GEMM1 then reads by route
+    (the same h and z, no pool)."""
     act = native_activation(activation)
     num_local, two_i, hidden = w13.shape
-    h = a.new_empty(a.shape[0], two_i // 2)
+    if gather and (a.shape[0] != plan.shape.num_tokens or not a.is_contiguous()):
+        raise ValueError(f"gather reads the token rows x [T={plan.shape.num_tokens}, H] contiguous, got {tuple(a.shape)} "
+                         f"with strides {a.stride()}")
+    h = a.new_empty(plan.pool_rows if gather else a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
                  _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), _native.address(z),
-                                       two_i // 2, hidden, *act), _native.stream(a.device))
+                                       two_i // 2, hidden, *act, int(gather)), _native.stream(a.device))
     return h
 
 

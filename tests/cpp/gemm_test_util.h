@@ -263,6 +263,18 @@ inline std::vector<uint16_t> make_pool(const Plan& p, int k, std::mt19937& rng) 
   return a;
 }
 
+// The pool a dispatch makes of token rows x [T, k]: real row r holds token row slot_to_route[r] /
+// top_k; padding rows of live blocks and every row past them NaN (as make_pool).
+inline std::vector<uint16_t> pool_of_tokens(const Plan& p, const std::vector<uint16_t>& x, int k, int top_k) {
+  std::vector<uint16_t> a(p.max_blocks * MEGAMOE_BLOCK_M * k, kNaNPoison);
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    if (!is_real_row(p, row)) continue;
+    const int64_t token = p.slot_to_route[row] / top_k;
+    std::copy(x.begin() + token * k, x.begin() + (token + 1) * k, a.begin() + row * k);
+  }
+  return a;
+}
+
 
 // A rank's view: global experts, of which [local_begin, local_begin + local_experts) are local.
 // n, k are the GEMM's (SwiGLU: n = intermediate, k = hidden; scatter: n = hidden, k = intermediate).

@@ -397,7 +397,10 @@ TEST_P(SwigluTest, MatchesHostReference) {
 
   const int inter = c.n, hidden = c.k;
   std::mt19937 rng(c.seed * 7919u);
-  const std::vector<uint16_t> a = make_pool(p, hidden, rng);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<uint16_t> x(c.tokens * hidden);  // token rows, dispatched into the pool here on the host
+  for (auto& v : x) v = to_bf16(dist(rng));
+  const std::vector<uint16_t> a = pool_of_tokens(p, x, hidden, c.top_k);
   const std::vector<uint16_t> w13 = make_weights(int64_t(c.local_experts) * 2 * inter * hidden, hidden, rng);
   DeviceBuffer<uint16_t> a_dev(a.size()), w_dev(w13.size()), h_dev(d.max_blocks * MEGAMOE_BLOCK_M * inter);
   a_dev.upload(a);
@@ -448,6 +451,33 @@ TEST_P(SwigluTest, MatchesHostReference) {
   const int64_t local_routes = p.compact_offsets.back();
   EXPECT_TRUE(std::all_of(z.begin() + 2 * inter * local_routes, z.end(), [](uint16_t v) { return v == kCPoison; }))
       << "z rows past the local routes were written";
+
+  // A gathered from the token rows by GEMM1 itself (gather_a): the same h on every real row and the
+  // same z, bit for bit; padding rows read zeros, so their h is 0; rows past the live blocks untouched.
+  DeviceBuffer<uint16_t> x_dev(x.size());
+  x_dev.upload(x);
+  ASSERT_EQ(cudaMemset(h_dev.ptr, 0xFF, h_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(z_dev.ptr, 0xFF, z_dev.count * 2), cudaSuccess);
+  args.a = x_dev.ptr;
+  args.gather_a = 1;
+  ASSERT_EQ(megamoe_grouped_gemm_gated_bf16(&d.plan, &args, nullptr), MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> gathered = h_dev.download();
+  int64_t differing_rows = 0, nonzero_padding_rows = 0;
+  for (int64_t row = 0; row < int64_t(p.num_blocks) * MEGAMOE_BLOCK_M; ++row) {
+    const auto first = gathered.begin() + row * inter, last = first + inter;
+    if (is_real_row(p, row)) {
+      differing_rows += !std::equal(first, last, out.begin() + row * inter);
+    } else {
+      nonzero_padding_rows += !std::all_of(first, last, [](uint16_t v) { return v == 0; });
+    }
+  }
+  EXPECT_EQ(differing_rows, 0) << "real rows of h differ from the pool's";
+  EXPECT_EQ(nonzero_padding_rows, 0) << "padding rows of h are not zero";
+  EXPECT_TRUE(std::all_of(gathered.begin() + live, gathered.end(), [](uint16_t v) { return v == kCPoison; }))
+      << "rows past num_blocks were written";
+  EXPECT_TRUE(z_dev.download() == z) << "z differs from the pool's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(swiglu_cases()),
@@ -489,6 +519,18 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
            },
            "the plan's expert_offsets and compact_offsets must be non-null (z is compact)"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
+          {[](auto&, auto& a) { a.gather_a = 2; },
+           "gather_a must be 0 (a is the pool) or 1 (a is the token rows), got 2"},
+          {[](auto& pl, auto& a) {
+             a.gather_a = 1;
+             pl.slot_to_route = nullptr;
+           },
+           "gather_a needs the plan's slot_to_route"},
+          {[](auto&, auto& a) {
+             a.gather_a = 1;
+             a.a = check_buf + 4;
+           },
+           "a must be 16-byte aligned"},
           {[](auto& pl, auto& a) {  // 2048 experts x 2 x 2^20 rows of w13
              pl.shape.num_experts = pl.shape.num_local_experts = 2048;
              a.intermediate = 1 << 20;

@@ -377,6 +377,30 @@ def test_fused_recompute_gives_the_kept_activations_gradients(case, shape):
         assert relative_error(recomputed, kept) < 1e-3, name
 
 
+@requires_cuda
+@pytest.mark.parametrize("shape", [SMALL, MoEShape(hidden_size=200, intermediate_size=136, num_experts=8, top_k=2)],
+                         ids=["h256", "h200"])
+@pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
+def test_fused_small_batch_gemm1_gathers_the_pools_bits(case, shape, monkeypatch):
+    """At small batches GEMM1 reads x's token rows by route instead of a dispatched pool (dW13 then
+    dispatches x for itself): the output and every gradient bit for bit those of the pool path."""
+    from megamoe import fused
+
+    x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
+    assert fused._gemm1_gathers(ids.numel(), shape.num_experts)
+    dy = torch.randn_like(x)
+    results = []
+    for gathers in (True, False):
+        monkeypatch.setattr(fused, "_gemm1_gathers", lambda routes, local, gathers=gathers: gathers)
+        leaves = [leaf(t) for t in (x, weights, w13, w2)]
+        poison_cuda_cache()
+        y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused")
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, gathered, pooled in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), *results):
+        assert torch.equal(gathered, pooled), name
+
+
 def test_fused_ops_fake_implementations_give_gradient_shapes():
     """What torch.compile sees of the fused ops (shapes and dtypes only, no kernel runs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -385,10 +409,12 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
 
     from megamoe.routing import build_routing
 
-    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 64)
+    x, ids, weights, w13, w2 = megamoe.make_inputs(SMALL, 1024)  # T·K > 128·E: GEMM1 reads a pool of x
+    small = megamoe.make_inputs(SMALL, 512)  # T·K <= 128·E: GEMM1 gathers x's rows, no pool
     pool_rows = build_routing(ids, SMALL.num_experts).slot_to_route.numel()
     with FakeTensorMode(allow_non_fake_inputs=True):
         y, x_pool, z, plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, True, True)
+        _, small_x_pool, small_z, _ = fused_moe_forward(*small, "swiglu", "bf16", True, True, True)
         _, no_x_pool, no_z, no_plan = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", False, False,
                                                         False)
         _, z_alone_x_pool, z_alone, _ = fused_moe_forward(x, ids, weights, w13, w2, "swiglu", "bf16", True, False,
@@ -402,6 +428,7 @@ def test_fused_ops_fake_implementations_give_gradient_shapes():
     assert (plan.shape, plan.dtype) == (build_routing(ids, SMALL.num_experts).buffer.shape, torch.int32)
     assert no_x_pool.numel() == 0 and no_z.numel() == 0 and no_plan.numel() == 0
     assert z_alone_x_pool.numel() == 0 and z_alone.shape == z.shape  # recompute="gather"
+    assert small_x_pool.numel() == 0 and small_z.shape == (small[1].numel(), 2 * SMALL.intermediate_size)
     for fp8_x_pool, fp8_z in fp8_kept:  # z only: the FP8 weight gradients read x's token rows
         assert fp8_x_pool.numel() == 0 and fp8_z.shape == z.shape
     expected = [(x.shape, x.dtype), ((0,), weights.dtype), (w13.shape, w13.dtype), (w2.shape, w2.dtype)]

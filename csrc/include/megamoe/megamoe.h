@@ -350,6 +350,10 @@ int megamoe_transpose_fp8(const megamoe_transpose_fp8_args* args, void* stream);
 // z: null, or [T * K, 2 * intermediate] bf16 that also receives g | u rounded to bf16 (the backward's
 // z), compact: the pool's real rows without its padding, pool row expert_offsets[e] + j at row
 // compact_offsets[e] + j. intermediate and hidden multiples of 8 (of 128 in the FP8 version below).
+// gather_a = 1: a is the token rows x [T, hidden] bf16 instead of a pool, and GEMM1 reads pool row r
+// from token row slot_to_route[r] / top_k (zeros for padding rows) itself, so no dispatch is needed:
+// the same h and z bit for bit. It pays where experts get few rows (x stays in L2 while the weights
+// stream; a pool would be K-fold larger and half padding).
 // ---------------------------------------------------------------------------------------------
 typedef struct {
   const void* a;
@@ -360,6 +364,7 @@ typedef struct {
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*
   float activation_limit;  // MEGAMOE_ACTIVATION_SWIGLU_LIMIT's L
+  int32_t gather_a;    // 0: a is the pool; 1: a is the token rows (above)
 } megamoe_gated_gemm_args;
 
 int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan, const megamoe_gated_gemm_args* args,

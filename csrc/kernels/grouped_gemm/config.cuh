@@ -96,6 +96,10 @@ struct Config : StageLayout<(kBlockM + BlockN) * kBlockK * 2, BlockN> {
   static constexpr Major kAMajor = AMajor;
   static constexpr Major kBMajor = BMajor;
   static constexpr bool kFp8 = false;
+  static constexpr bool kGatherA = false;   // A's rows gathered by the producer warpgroup (gathered_a.cuh)
+  static constexpr int kFullArrivals = 1;   // arrivals that complete a full barrier: the TMA thread's
+  static constexpr int kProducerRegs = kProducerRegisters;
+  static constexpr int kMathRegs = kMathRegisters;
   static constexpr int kKBlock = kBlockK;  // K elements per stage
   static constexpr int kScaleBytes = 0;    // per stage: block-FP8's A scales (config_fp8.cuh)
   struct MainloopParams {};                // what the main loop reads besides A and B: nothing

@@ -116,9 +116,10 @@ struct GatedTile {
   }
 };
 
-template <class Act, bool KeepZ>
-struct GatedEpilogue : GatedTile<Act, KeepZ, Config<256, 2>> {
-  using Tile = GatedTile<Act, KeepZ, Config<256, 2>>;
+// C: Config<256, 2>, or GatheredConfig<256, 2> (gathered_a.cuh) to read A's rows from token rows.
+template <class Act, bool KeepZ, class C = Config<256, 2>>
+struct GatedEpilogue : GatedTile<Act, KeepZ, C> {
+  using Tile = GatedTile<Act, KeepZ, C>;
   using typename Tile::Cfg;
   using Tile::kHalf;
   using Tile::kHCols;

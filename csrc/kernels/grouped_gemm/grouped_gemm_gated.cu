@@ -1,7 +1,7 @@
 // megamoe_grouped_gemm_gated_bf16 / _fp8: GEMM1 of the expert MLP with the gated activation in the
 // epilogue (kernel.cuh with epilogue_gated.cuh, or epilogue_gated_fp8.cuh quantising h; each stage's
 // B tile = 128 gate rows + the 128 matching up rows), optionally also storing z = gate | up for the
-// backward.
+// backward; in bf16 A is the pool or, gathered_a.cuh, the token rows.
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_fp8.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -14,7 +14,20 @@ namespace {
 template <class Epi>
 int run_gated(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* stream) {
   const PoolOperands operands{args.a, "a", args.w13, "w13", Epi::b_rows(p)};
-  return run_pool_gemm<Epi>(p, operands, {args.h, args.z, args.activation_limit}, stream);
+  typename Epi::Cfg::MainloopParams mainloop{};
+  if constexpr (Epi::Cfg::kGatherA) {
+    if (p.plan->slot_to_route == nullptr) {
+      return invalid_argument(p.fn + "gather_a needs the plan's slot_to_route (device pointer)");
+    }
+    mainloop = {static_cast<const uint16_t*>(args.a), p.plan->slot_to_route, p.plan->shape.top_k, p.k};
+  }
+  return run_pool_gemm<Epi>(p, operands, {args.h, args.z, args.activation_limit}, stream, mainloop);
+}
+
+template <class Act, class Cfg>
+int run_gated_keep_z_or_not(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* stream) {
+  return args.z == nullptr ? run_gated<GatedEpilogue<Act, false, Cfg>>(p, args, stream)
+                           : run_gated<GatedEpilogue<Act, true, Cfg>>(p, args, stream);
 }
 
 }  // namespace
@@ -26,10 +39,14 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
+  if (args->gather_a != 0 && args->gather_a != 1) {
+    return invalid_argument(fn + "gather_a must be 0 (a is the pool) or 1 (a is the token rows), got " +
+                            std::to_string(args->gather_a));
+  }
   return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
-    return args->z == nullptr ? run_gated<GatedEpilogue<Act, false>>(p, *args, stream)
-                              : run_gated<GatedEpilogue<Act, true>>(p, *args, stream);
+    return args->gather_a ? run_gated_keep_z_or_not<Act, GatheredConfig<256, 2>>(p, *args, stream)
+                          : run_gated_keep_z_or_not<Act, Config<256, 2>>(p, *args, stream);
   });
 }
 

@@ -1,7 +1,8 @@
 // The operand pipeline: a ring of shared-memory stages guarded by two mbarriers per stage.
 //
 //   full[s]:  the producer arms it with the stage's byte count (arrive + expect_tx); TMA completes
-//             the transaction. Consumers wait on it before reading stage s.
+//             the transaction (a gathering producer's cp.async copies arrive too: gathered_a.cuh).
+//             Consumers wait on it before reading stage s.
 //   empty[s]: every math warp arrives once its wgmmas reading stage s have completed; the producer
 //             waits on it before overwriting stage s.
 //
@@ -32,9 +33,9 @@ struct PipelineState {
 };
 
 template <class Smem, int Stages>
-__device__ inline void init_pipeline_barriers(const Smem& smem, int consumer_arrivals) {
+__device__ inline void init_pipeline_barriers(const Smem& smem, int producer_arrivals, int consumer_arrivals) {
   for (int s = 0; s < Stages; ++s) {
-    Barrier::init(smem.full(s), 1);                   // the producer's arrive_and_expect_tx
+    Barrier::init(smem.full(s), producer_arrivals);  // arrive_and_expect_tx (and cp.async arrivals)
     Barrier::init(smem.empty(s), consumer_arrivals);  // one arrive per math warp
   }
   cutlass::arch::fence_barrier_init();  // make the inits visible to the async proxy (TMA)
