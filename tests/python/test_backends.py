@@ -491,14 +491,19 @@ def test_fused_keeps_no_more_for_the_backward_than_grouped():
 
     from megamoe.bench.runner import Operands, saved_for_backward_gb
 
-    x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], 2048, device="cuda")
-    operands = Operands(leaf(x), ids, leaf(weights), leaf(w13), leaf(w2))
-    saved = {name: saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
-             for name, kwargs in (("fused", dict(backend="fused")),
-                                  ("gather", dict(backend="fused", recompute="gather")),
-                                  ("recompute", dict(backend="fused", recompute=True)),
-                                  ("grouped", dict(backend="grouped")))}
+    def saved_at(tokens):
+        x, ids, weights, w13, w2 = megamoe.make_inputs(megamoe.PRESETS["qwen3-30b-a3b"], tokens, device="cuda")
+        operands = Operands(leaf(x), ids, leaf(weights), leaf(w13), leaf(w2))
+        return {name: saved_for_backward_gb(functools.partial(megamoe.moe, **kwargs), operands)
+                for name, kwargs in (("fused", dict(backend="fused")),
+                                     ("gather", dict(backend="fused", recompute="gather")),
+                                     ("recompute", dict(backend="fused", recompute=True)),
+                                     ("grouped", dict(backend="grouped")))}
+
+    saved = saved_at(4096)  # GEMM1 reads a pool of x, which the default keeps
     assert saved["recompute"] < saved["gather"] < saved["fused"] <= saved["grouped"], saved
+    saved = saved_at(1024)  # GEMM1 gathers x's rows: no pool, the default keeps what "gather" keeps
+    assert saved["recompute"] < saved["gather"] == saved["fused"] <= saved["grouped"], saved
 
 
 @requires_cuda
