@@ -106,8 +106,9 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
     output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, in "bf16", its pool
     of x [pool rows, H] (what dW13 reads; the FP8 weight gradients read x's token rows, so "fp8" and
-    "fp8_bwd" keep none, and at small batches GEMM1 makes none: _gemm1_gathers); otherwise empty. With keep_plan, the routing plan's buffer
-    (RoutingPlan.buffer), so the backward does not build it again; otherwise empty."""
+    "fp8_bwd" keep none, and at small batches GEMM1 makes none: _gemm1_gathers); otherwise empty.
+    With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the backward does not build it
+    again; otherwise empty."""
     check_activation(activation)
     check_fused_precision(precision)
     if topk_ids.shape[0] == 0:

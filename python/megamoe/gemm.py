@@ -86,8 +86,8 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
     act = native_activation(activation)
     num_local, two_i, hidden = w13.shape
     if gather and (a.shape[0] != plan.shape.num_tokens or not a.is_contiguous()):
-        raise ValueError(f"gather reads the token rows x [T={plan.shape.num_tokens}, H] contiguous, got {tuple(a.shape)} "
-                         f"with strides {a.stride()}")
+        raise ValueError(f"gather reads the token rows x [T={plan.shape.num_tokens}, H] contiguous, got "
+                         f"{tuple(a.shape)} with strides {a.stride()}")
     h = a.new_empty(plan.pool_rows if gather else a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
                  _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), _native.address(z),

@@ -72,9 +72,13 @@ enum class Major { K, MN };  // which dimension of an operand is contiguous in g
 
 // What follows from a stage's size and the tile width, for every precision: the epilogue buffers,
 // as many stages as fit next to them, the shared memory in all, and the fp32 accumulators each math
-// thread holds (64 x BLOCK_N / 128).
+// thread holds (64 x BLOCK_N / 128). Every operand is loaded by TMA, with the register split above
+// (gathered_a.cuh's config copies A's rows instead, with a split of its own).
 template <int StageBytes, int BlockN>
 struct StageLayout {
+  static constexpr bool kGatherA = false;
+  static constexpr int kProducerRegs = kProducerRegisters;
+  static constexpr int kMathRegs = kMathRegisters;
   static constexpr int kStageBytes = StageBytes;
   static constexpr int kEpiBytes = kMathWarpgroups * kEpiBuffers * kEpiChunkBytes;
   static constexpr int kStages = pipeline_stages(kStageBytes, kEpiBytes);
@@ -96,10 +100,6 @@ struct Config : StageLayout<(kBlockM + BlockN) * kBlockK * 2, BlockN> {
   static constexpr Major kAMajor = AMajor;
   static constexpr Major kBMajor = BMajor;
   static constexpr bool kFp8 = false;
-  static constexpr bool kGatherA = false;   // A's rows gathered by the producer warpgroup (gathered_a.cuh)
-  static constexpr int kFullArrivals = 1;   // arrivals that complete a full barrier: the TMA thread's
-  static constexpr int kProducerRegs = kProducerRegisters;
-  static constexpr int kMathRegs = kMathRegisters;
   static constexpr int kKBlock = kBlockK;  // K elements per stage
   static constexpr int kScaleBytes = 0;    // per stage: block-FP8's A scales (config_fp8.cuh)
   struct MainloopParams {};                // what the main loop reads besides A and B: nothing

@@ -38,10 +38,6 @@ struct Fp8Config : StageLayout<(kBlockM + BlockN) * kFp8BlockK + kBlockM * 4, Bl
   static constexpr Major kAMajor = Major::K;
   static constexpr Major kBMajor = Major::K;
   static constexpr bool kFp8 = true;
-  static constexpr bool kGatherA = false;
-  static constexpr int kFullArrivals = 1;
-  static constexpr int kProducerRegs = kProducerRegisters;
-  static constexpr int kMathRegs = kMathRegisters;
   static constexpr int kKBlock = kFp8BlockK;
   static constexpr int kBlockN = BlockN;
   static constexpr int kBBoxes = BBoxes;

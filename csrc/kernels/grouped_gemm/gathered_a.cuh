@@ -8,7 +8,7 @@
 // issues B's TMA boxes (as mainloop.cuh's produce_operands does); every thread then copies 16-byte
 // chunks of A's rows by cp.async into the same 128B-swizzled K-major tile TMA would write
 // (operand.cuh), and the stage completes when the copies of all 128 threads have landed
-// (cp.async.mbarrier.arrive.noinc: the full barrier counts 1 + 128 arrivals).
+// (cp.async.mbarrier.arrive.noinc: the full barrier counts 1 + 128 arrivals, full_arrivals).
 #pragma once
 
 #include <cuda.h>
@@ -35,7 +35,6 @@ constexpr int kGatherRowsPerThread = kBlockM / kGatherRowStep;  // 8
 template <int BlockN, int BBoxes>
 struct GatheredConfig : Config<BlockN, BBoxes> {
   static constexpr bool kGatherA = true;
-  static constexpr int kFullArrivals = 1 + kGatherThreads;
   // Each producer thread holds its 8 rows' token indices beside the tile's coordinates.
   static constexpr int kProducerRegs = 56;
   static constexpr int kMathRegs = 224;
@@ -47,6 +46,13 @@ struct GatheredConfig : Config<BlockN, BBoxes> {
     int32_t k;                     // a multiple of 8: a 16-byte chunk is all inside K or all past it
   };
 };
+
+// Arrivals that complete a stage's full barrier: the TMA thread's arrive_and_expect_tx, and with A
+// gathered each producer thread's cp.async arrival.
+template <class Cfg>
+constexpr int full_arrivals() {
+  return Cfg::kGatherA ? 1 + kGatherThreads : 1;
+}
 
 // 16 bytes from global to shared memory, or 16 zero bytes when !real (src is then not read).
 __device__ __forceinline__ void copy_chunk_or_zeros(uint32_t dst, const void* src, bool real) {

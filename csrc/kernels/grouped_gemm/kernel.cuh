@@ -72,7 +72,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     cute::prefetch_tma_descriptor(&tma_b);
     if constexpr (Cfg::kFp8) cute::prefetch_tma_descriptor(&mainloop.a_scales);
     Epi::prefetch(epi);
-    init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, Cfg::kFullArrivals, kMathWarps);
+    init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, full_arrivals<Cfg>(), kMathWarps);
   }
   __syncthreads();
 

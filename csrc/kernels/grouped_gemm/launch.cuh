@@ -66,14 +66,15 @@ int check_pool_gemm(const PoolProblem& p, const PoolOperands& o, const typename 
 template <class Cfg>
 int make_operand_maps(const PoolProblem& p, const PoolOperands& o, CUtensorMap* map_a, CUtensorMap* map_b) {
   const int64_t b_rows = b_row_count(p, o);
-  if constexpr (Cfg::kGatherA) {  // A's rows are copied by the producer, not TMA: no map of A
-    *map_a = CUtensorMap{};
-    return make_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
-  } else if constexpr (Cfg::kFp8) {
+  if constexpr (Cfg::kFp8) {
     MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
     return make_fp8_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
   } else {
-    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
+    if constexpr (Cfg::kGatherA) {  // A's rows are copied by the producer, not TMA: no map of A
+      *map_a = CUtensorMap{};
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(make_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
+    }
     if constexpr (Cfg::kBMajor == Major::K) {
       return make_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
     } else {  // 64 x 64 boxes (operand.cuh, MN-major)
