@@ -100,7 +100,7 @@ TransposeQuantizeFp8Args = _struct("megamoe_transpose_quantize_fp8_args", ("src"
                                    ("scales", _ptr), ("cols", _i32), ("blocks", _i32), ("src_rows", _i32),
                                    ("src_dtype", _i32), ("src_scales", _ptr))
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
-                         ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32))
+                         ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32), ("gather_b", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
            GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, QuantizeBlocksTransposedFp8Args, TransposeFp8Args,

@@ -36,8 +36,8 @@ Memory: z is kept compact (T·K rows, not the pool's worst case), and its memory
 soon as dh has read it, unless a later backward through the same graph needs it (retain_graph); the
 gradients are allocated just before their GEMMs. Where the bf16 pool of x was not kept
 (recompute="gather"), dW13 is made in two column halves of H, each from a pool of x that half
-wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool
-(so too at small batches, where GEMM1 made no pool).
+wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool.
+At small batches dW13 reads x's rows by route as GEMM1 does, with no pool at all.
 """
 
 from __future__ import annotations
@@ -249,7 +249,9 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             weight_grad_fp8(dz_t, x, plan, out, b_tokens=True)
         elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
-        else:  # not kept (recompute="gather", or GEMM1 gathered x): dispatched again, in column halves
+        elif _gemm1_gathers(plan.num_routes, w13.shape[0]):  # small batches: x's rows read by route
+            weight_grad(dz, x.contiguous(), plan, out, gather_b=True)
+        else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):
                 weight_grad(dz, dispatch(plan, x[:, cols]), plan, out[:, :, cols])
     return tuple(t.new_empty((0,)) if g is None else g

@@ -222,17 +222,22 @@ def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return dp
 
 
-def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor) -> None:
+def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor,
+                gather_b: bool = False) -> None:
     """out[e] = a[rows of e]ᵀ · b[rows of e] for every local expert; out [E_local, M, N] bf16 is
     written, fp32 is added to (a main_grad). out may be a slice of columns of a wider gradient
-    (out.stride(1) elements between rows)."""
+    (out.stride(1) elements between rows). b is a pool, or with gather_b the token rows [T, N] the
+    pool's rows are read from by route (the same bits, no pool)."""
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _, m, n = out.shape
     if out.stride(2) != 1 or out.stride(0) != m * out.stride(1):
         raise ValueError(f"out must be [E, M, N] with rows of unit stride, planes back to back; strides {out.stride()}")
+    if gather_b and (tuple(b.shape) != (plan.shape.num_tokens, n) or not b.is_contiguous()):
+        raise ValueError(f"gather_b reads the token rows [T={plan.shape.num_tokens}, N={n}] contiguous, got "
+                         f"{tuple(b.shape)} with strides {b.stride()}")
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
-                 _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1)),
-                 _native.stream(a.device))
+                 _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1),
+                                        int(gather_b)), _native.stream(a.device))
 
 
 def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, tokens: bool = False,

@@ -356,7 +356,16 @@ TEST_P(WeightGradTest, MatchesHostReference) {
     }
     return v;
   };
-  const std::vector<uint16_t> a = make(m), b = make(n);
+  const std::vector<uint16_t> a = make(m);
+  // b's real rows are token rows of x [T, n], as the dispatch of x makes dW13's pool.
+  std::vector<uint16_t> x(c.tokens * n);
+  for (auto& v : x) v = to_bf16(dist(rng));
+  std::vector<uint16_t> b(rows * n, kNaNPoison);
+  for (int64_t r = 0; r < live_rows; ++r) {
+    if (!in_k_range[r]) continue;
+    const int64_t token = is_real_row(p, r) ? p.slot_to_route[r] / c.top_k : -1;
+    for (int j = 0; j < n; ++j) b[r * n + j] = token >= 0 ? x[token * n + j] : uint16_t(0);
+  }
   DeviceBuffer<uint16_t> a_dev(a.size()), b_dev(b.size()), out16(out_count);
   DeviceBuffer<float> out32(out_count);
   a_dev.upload(a);
@@ -477,6 +486,22 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   }
   EXPECT_EQ(differ, 0) << "columns of a wider gradient differ from the gradient alone";
   EXPECT_EQ(touched, 0) << "columns outside [col, col + n) were written";
+
+  // B's rows read from the token rows by the producer (gather_b) instead of the pool: the same bits.
+  DeviceBuffer<uint16_t> x_dev(x.size());
+  x_dev.upload(x);
+  ASSERT_EQ(cudaMemset(out16.ptr, 0xFF, out16.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(out32.ptr, 0xFF, out32.count * 4), cudaSuccess);
+  for (auto [out, output] : {std::pair<void*, int32_t>{out16.ptr, MEGAMOE_GRAD_BF16},
+                             std::pair<void*, int32_t>{out32.ptr, MEGAMOE_GRAD_FP32}}) {
+    const megamoe_weight_grad_args args{a_dev.ptr, x_dev.ptr, out, m, n, output, 0, 1};
+    ASSERT_EQ(megamoe_grouped_weight_grad_bf16(&d.plan, &args, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(out16.download() == o16) << "bf16 gradient from gathered rows differs from the pool's";
+  const std::vector<float> g32 = out32.download();
+  EXPECT_EQ(std::memcmp(g32.data(), o32.data(), o32.size() * 4), 0)
+      << "fp32 gradient from gathered rows differs from the pool's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WeightGradTest, ::testing::ValuesIn(weight_grad_cases()),
@@ -516,6 +541,13 @@ TEST(WeightGradValidation, RejectsBadArguments) {
           {[](auto& pl, auto&) { pl.expert_counts = nullptr; }, plan_arrays},
           {[](auto&, auto& a) { a.m = 0; }, "m must be a positive multiple of 8 (16-byte bf16 rows), got 0"},
           {[](auto&, auto& a) { a.n = 196; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 196"},
+          {[](auto&, auto& a) { a.gather_b = 3; },
+           "gather_b must be 0 (b_pool is the pool) or 1 (the token rows), got 3"},
+          {[](auto& pl, auto& a) {
+             a.gather_b = 1;
+             pl.slot_to_route = nullptr;
+           },
+           "gather_b needs the plan's slot_to_route"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
           {[](auto& pl, auto& a) {
              pl.shape.num_experts = pl.shape.num_local_experts = 4096;

@@ -359,10 +359,13 @@ def test_fused_computes_only_the_gradients_asked_for(wanted, activation):
 @pytest.mark.parametrize("shape", [SMALL, MoEShape(hidden_size=640, intermediate_size=128, num_experts=8, top_k=2)],
                          ids=["h256", "h640"])
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
-def test_fused_recompute_gives_the_kept_activations_gradients(case, shape):
+def test_fused_recompute_gives_the_kept_activations_gradients(case, shape, monkeypatch):
     """recompute="gather" gathers the same pool of x again (at H = 640 in two column halves for dW13,
     512 and 128 wide): the same bits; recompute=True recomputes z with the plain GEMM: within its
-    rounding."""
+    rounding. The pool paths, as above T·K = 128·E (the gathered ones: the test below)."""
+    from megamoe import fused
+
+    monkeypatch.setattr(fused, "_gemm1_gathers", lambda routes, local: False)
     x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
     dy = torch.randn_like(x)
     grads = {}
@@ -381,9 +384,10 @@ def test_fused_recompute_gives_the_kept_activations_gradients(case, shape):
 @pytest.mark.parametrize("shape", [SMALL, MoEShape(hidden_size=200, intermediate_size=136, num_experts=8, top_k=2)],
                          ids=["h256", "h200"])
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
-def test_fused_small_batch_gemm1_gathers_the_pools_bits(case, shape, monkeypatch):
-    """At small batches GEMM1 reads x's token rows by route instead of a dispatched pool (dW13 then
-    dispatches x for itself): the output and every gradient bit for bit those of the pool path."""
+@pytest.mark.parametrize("recompute", [False, "gather"])
+def test_fused_small_batch_gemm1_gathers_the_pools_bits(case, shape, recompute, monkeypatch):
+    """At small batches GEMM1 and dW13 read x's token rows by route instead of a dispatched pool: the
+    output and every gradient bit for bit those of the pool path."""
     from megamoe import fused
 
     x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
@@ -394,7 +398,7 @@ def test_fused_small_batch_gemm1_gathers_the_pools_bits(case, shape, monkeypatch
         monkeypatch.setattr(fused, "_gemm1_gathers", lambda routes, local, gathers=gathers: gathers)
         leaves = [leaf(t) for t in (x, weights, w13, w2)]
         poison_cuda_cache()
-        y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused")
+        y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused", recompute=recompute)
         y.backward(dy)
         results.append([y.detach()] + [t.grad for t in leaves])
     for name, gathered, pooled in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), *results):

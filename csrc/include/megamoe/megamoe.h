@@ -534,7 +534,10 @@ int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_
 // (MEGAMOE_GRAD_FP32_ADD: out unchanged). m and n multiples of 8; 16-byte aligned. out_ld: elements
 // between rows of out, 0 for n; a larger one (a multiple of 8) writes columns [c, c + n) of a wider
 // gradient [E_local, m, out_ld] whose column c out points at, e.g. dw13 in column slices of H, each
-// from a pool of x's same columns (a pool of x a slice wide, not H).
+// from a pool of x's same columns (a pool of x a slice wide, not H). gather_b = 1: b_pool is the
+// token rows x [T, n] instead of a pool, each pool row read from token row slot_to_route[r] / top_k
+// (zeros for padding rows): dw13 with no pool of x, the same bits (small batches, where x stays in
+// L2).
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_GRAD_BF16 0      // out is bf16, overwritten
 #define MEGAMOE_GRAD_FP32 1      // out is fp32, overwritten
@@ -548,6 +551,7 @@ typedef struct {
   int32_t n;
   int32_t output;  // MEGAMOE_GRAD_*
   int32_t out_ld;  // 0: n
+  int32_t gather_b;  // 0: b_pool is the pool; 1: the token rows (above)
 } megamoe_weight_grad_args;
 
 int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan, const megamoe_weight_grad_args* args,

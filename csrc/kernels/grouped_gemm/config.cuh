@@ -70,13 +70,17 @@ constexpr int pipeline_stages(int stage_bytes, int epi_bytes) {
 
 enum class Major { K, MN };  // which dimension of an operand is contiguous in global memory
 
+// Which operand, if any, the producer warpgroup gathers from token rows instead of loading a pool
+// by TMA (gathered_rows.cuh): A of GEMM1 (K-major), B of the weight gradients (MN-major).
+enum class Gathered { kNone, kA, kB };
+
 // What follows from a stage's size and the tile width, for every precision: the epilogue buffers,
 // as many stages as fit next to them, the shared memory in all, and the fp32 accumulators each math
 // thread holds (64 x BLOCK_N / 128). Every operand is loaded by TMA, with the register split above
-// (gathered_a.cuh's config copies A's rows instead, with a split of its own).
+// (gathered_rows.cuh's configs copy one operand's rows instead, with a split of their own).
 template <int StageBytes, int BlockN>
 struct StageLayout {
-  static constexpr bool kGatherA = false;
+  static constexpr Gathered kGathered = Gathered::kNone;
   static constexpr int kProducerRegs = kProducerRegisters;
   static constexpr int kMathRegs = kMathRegisters;
   static constexpr int kStageBytes = StageBytes;

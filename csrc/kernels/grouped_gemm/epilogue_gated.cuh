@@ -116,7 +116,7 @@ struct GatedTile {
   }
 };
 
-// C: Config<256, 2>, or GatheredConfig<256, 2> (gathered_a.cuh) to read A's rows from token rows.
+// C: Config<256, 2>, or GatheredAConfig<256, 2> (gathered_rows.cuh) to read A's rows from token rows.
 template <class Act, bool KeepZ, class C = Config<256, 2>>
 struct GatedEpilogue : GatedTile<Act, KeepZ, C> {
   using Tile = GatedTile<Act, KeepZ, C>;

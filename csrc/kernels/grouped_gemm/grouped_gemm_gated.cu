@@ -1,7 +1,7 @@
 // megamoe_grouped_gemm_gated_bf16 / _fp8: GEMM1 of the expert MLP with the gated activation in the
 // epilogue (kernel.cuh with epilogue_gated.cuh, or epilogue_gated_fp8.cuh quantising h; each stage's
 // B tile = 128 gate rows + the 128 matching up rows), optionally also storing z = gate | up for the
-// backward; in bf16 A is the pool or, gathered_a.cuh, the token rows.
+// backward; in bf16 A is the pool or, gathered_rows.cuh, the token rows.
 #include "kernels/grouped_gemm/epilogue_gated.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_fp8.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -15,7 +15,7 @@ template <class Epi>
 int run_gated(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* stream) {
   const PoolOperands operands{args.a, "a", args.w13, "w13", Epi::b_rows(p)};
   typename Epi::Cfg::MainloopParams mainloop{};
-  if constexpr (Epi::Cfg::kGatherA) {
+  if constexpr (Epi::Cfg::kGathered == Gathered::kA) {
     if (p.plan->slot_to_route == nullptr) {
       return invalid_argument(p.fn + "gather_a needs the plan's slot_to_route (device pointer)");
     }
@@ -45,7 +45,7 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
   }
   return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
-    return args->gather_a ? run_gated_keep_z_or_not<Act, GatheredConfig<256, 2>>(p, *args, stream)
+    return args->gather_a ? run_gated_keep_z_or_not<Act, GatheredAConfig<256, 2>>(p, *args, stream)
                           : run_gated_keep_z_or_not<Act, Config<256, 2>>(p, *args, stream);
   });
 }

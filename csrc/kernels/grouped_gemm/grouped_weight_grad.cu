@@ -1,6 +1,7 @@
 // megamoe_grouped_weight_grad_bf16: out[e] = A[rows of e]ᵀ · B[rows of e] for every local expert,
 // K running over the expert's routed pool rows (kernel.cuh with scheduler_expert.cuh and
-// epilogue_weight_grad.cuh; both operands token-major, i.e. MN-major).
+// epilogue_weight_grad.cuh; both operands token-major, i.e. MN-major; B a pool or, gathered_rows.cuh,
+// the token rows).
 // megamoe_grouped_weight_grad_fp8: the same in block FP8 on the operands given transposed (FP8
 // tensor cores read both K-major): Aᵀ with one scale per row and 128 pool rows, Bᵀ with one per
 // 128 x 128 block, the FP8 main loop's promotion (mainloop_fp8.cuh).
@@ -22,20 +23,33 @@ int weight_grad_epilogue(const std::string& fn, const megamoe_routing_plan& plan
   return Epi::to_params(fn, plan, m, n, args, epi);
 }
 
-template <int BlockN, bool Fp32>
+template <int BlockN, bool Fp32, class Cfg>
 int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, const megamoe_weight_grad_args& args,
                     void* stream) {
-  using Epi = WeightGradEpilogue<BlockN, Fp32>;
+  using Epi = WeightGradEpilogue<BlockN, Fp32, Cfg>;
   typename Epi::Params epi;
   MEGAMOE_RETURN_IF_ERROR(
       weight_grad_epilogue<Epi>(fn, plan, args.out, args.m, args.n, args.out_ld, args.output, &epi));
-  // The pool's rows are K: 64 x 64 boxes of each token-major operand (operand.cuh, MN-major).
+  // The pool's rows are K: 64 x 64 boxes of each token-major operand (operand.cuh, MN-major), or B's
+  // rows gathered from its token rows by the producer (gathered_rows.cuh): no map of B.
   const uint64_t rows = uint64_t(routing::pool_rows(plan));
-  CUtensorMap map_a, map_b;
+  CUtensorMap map_a, map_b{};
+  typename Cfg::MainloopParams mainloop{};
   MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_a, args.a_pool, rows, uint64_t(args.m), kBlockK, fn, "a_pool"));
-  MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_b, args.b_pool, rows, uint64_t(args.n), kBlockK, fn, "b_pool"));
-  return launch<Epi, ExpertScheduler>(map_a, map_b, epi,
-                                      ExpertScheduler::to_params<typename Epi::Cfg>(plan, args.m, args.n), stream);
+  if constexpr (Cfg::kGathered == Gathered::kB) {
+    mainloop = {static_cast<const uint16_t*>(args.b_pool), plan.slot_to_route, plan.shape.top_k, args.n};
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_b, args.b_pool, rows, uint64_t(args.n), kBlockK, fn, "b_pool"));
+  }
+  return launch<Epi, ExpertScheduler>(map_a, map_b, epi, ExpertScheduler::to_params<Cfg>(plan, args.m, args.n),
+                                      stream, mainloop);
+}
+
+template <int BlockN, bool Fp32>
+int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, const megamoe_weight_grad_args& args,
+                    void* stream) {
+  return args.gather_b ? run_weight_grad<BlockN, Fp32, GatheredBConfig<BlockN>>(fn, plan, args, stream)
+                       : run_weight_grad<BlockN, Fp32, Config<BlockN, 1, Major::MN, Major::MN>>(fn, plan, args, stream);
 }
 
 template <int BlockN, bool Fp32>
@@ -126,6 +140,13 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
   if (a.out_ld != 0 && (a.out_ld < a.n || a.out_ld % kBf16SizeMultiple != 0)) {
     return invalid_argument(fn + "out_ld must be 0 (n) or a multiple of 8 no smaller than n = " + std::to_string(a.n) +
                             ", got " + std::to_string(a.out_ld));
+  }
+  if (a.gather_b != 0 && a.gather_b != 1) {
+    return invalid_argument(fn + "gather_b must be 0 (b_pool is the pool) or 1 (the token rows), got " +
+                            std::to_string(a.gather_b));
+  }
+  if (a.gather_b && plan->slot_to_route == nullptr) {
+    return invalid_argument(fn + "gather_b needs the plan's slot_to_route (device pointer)");
   }
   return run_weight_grad(fn, *plan, a, stream);
 }

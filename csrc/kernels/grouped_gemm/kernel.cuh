@@ -6,8 +6,9 @@
 //
 // One CTA per SM, 384 threads:
 //   warpgroup 0  producer: one thread issues the TMA loads of every tile's A and B k-blocks into a
-//                multi-stage ring (or, gathered_a.cuh, all 128 threads copy A's rows beside B's
-//                TMA); the warpgroup gives most of its registers back (setmaxnreg).
+//                multi-stage ring (or, gathered_rows.cuh, all 128 threads copy one operand's rows
+//                from token rows beside the other's TMA); the warpgroup gives most of its
+//                registers back (setmaxnreg).
 //   warpgroups 1-2  math: each owns 64 rows of the 128 x BLOCK_N tile, issues wgmma from shared
 //                memory, then runs the epilogue on its rows while the producer is already filling
 //                the ring with the next tile.
@@ -22,7 +23,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "kernels/grouped_gemm/config.cuh"
-#include "kernels/grouped_gemm/gathered_a.cuh"
+#include "kernels/grouped_gemm/gathered_rows.cuh"
 #include "kernels/grouped_gemm/mainloop.cuh"
 #include "kernels/grouped_gemm/mainloop_fp8.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
@@ -68,8 +69,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
   if (threadIdx.x == 0) {
     if (cute::cast_smem_ptr_to_uint(smem_raw) % 1024 != 0) __trap();  // the swizzled tiles would misplace rows
-    if constexpr (!Cfg::kGatherA) cute::prefetch_tma_descriptor(&tma_a);
-    cute::prefetch_tma_descriptor(&tma_b);
+    if constexpr (Cfg::kGathered != Gathered::kA) cute::prefetch_tma_descriptor(&tma_a);
+    if constexpr (Cfg::kGathered != Gathered::kB) cute::prefetch_tma_descriptor(&tma_b);
     if constexpr (Cfg::kFp8) cute::prefetch_tma_descriptor(&mainloop.a_scales);
     Epi::prefetch(epi);
     init_pipeline_barriers<SharedStorage<Cfg>, Cfg::kStages>(smem, full_arrivals<Cfg>(), kMathWarps);
@@ -80,9 +81,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if constexpr (Cfg::kGatherA) {
+    if constexpr (Cfg::kGathered != Gathered::kNone) {
       static_assert(RingChunks<Epi>::value == 0, "the gathering producer loads no epilogue stages");
-      produce_gathered_operands<Cfg>(&tma_b, mainloop, smem, sched);
+      produce_gathered_operands<Cfg>(&tma_a, &tma_b, mainloop, smem, sched);
     } else if (threadIdx.x == 0) {
       produce_operands<Cfg, Epi>(&tma_a, &tma_b, mainloop, epi, smem, sched);
     }

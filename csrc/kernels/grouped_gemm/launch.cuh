@@ -38,7 +38,7 @@ int launch(const CUtensorMap& a, const CUtensorMap& b, const typename Epi::Param
 }
 
 // A pool GEMM's operands: A = the pool [rows, K] (K-major), or the token rows its rows are gathered
-// from (gathered_a.cuh); B = the experts' matrices, K-major
+// from (gathered_rows.cuh); B = the experts' matrices, K-major
 // [E_local * rows_per_expert, K] or MN-major [E_local * K, N] (scheduler.cuh, BRows).
 struct PoolOperands {
   const void* a;
@@ -70,7 +70,7 @@ int make_operand_maps(const PoolProblem& p, const PoolOperands& o, CUtensorMap* 
     MEGAMOE_RETURN_IF_ERROR(make_fp8_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));
     return make_fp8_tensor_map(map_b, o.b, uint64_t(b_rows), uint64_t(p.k), Cfg::kBBoxRows, p.fn, o.b_name);
   } else {
-    if constexpr (Cfg::kGatherA) {  // A's rows are copied by the producer, not TMA: no map of A
+    if constexpr (Cfg::kGathered == Gathered::kA) {  // A's rows are copied by the producer, not TMA: no map of A
       *map_a = CUtensorMap{};
     } else {
       MEGAMOE_RETURN_IF_ERROR(make_tensor_map(map_a, o.a, p.rows, uint64_t(p.k), kBlockM, p.fn, o.a_name));

@@ -1,7 +1,7 @@
 // The operand pipeline: a ring of shared-memory stages guarded by two mbarriers per stage.
 //
 //   full[s]:  the producer arms it with the stage's byte count (arrive + expect_tx); TMA completes
-//             the transaction (a gathering producer's cp.async copies arrive too: gathered_a.cuh).
+//             the transaction (a gathering producer's cp.async copies arrive too: gathered_rows.cuh).
 //             Consumers wait on it before reading stage s.
 //   empty[s]: every math warp arrives once its wgmmas reading stage s have completed; the producer
 //             waits on it before overwriting stage s.
