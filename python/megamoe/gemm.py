@@ -71,6 +71,14 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
 # The pool GEMMs of the fused layer, shared by its single-rank op (fused.py) and expert parallelism.
 # Their callers validate the layer's inputs; the C API checks every argument.
 
+def _check_token_rows(what: str, rows: torch.Tensor, plan: RoutingPlan, width: int) -> None:
+    """An operand a GEMM's producer reads by route from its token rows instead of a pool must be those
+    rows, [T, width] and contiguous."""
+    if tuple(rows.shape) != (plan.shape.num_tokens, width) or not rows.is_contiguous():
+        raise ValueError(f"{what} reads the token rows [T={plan.shape.num_tokens}, {width}] contiguous, got "
+                         f"{tuple(rows.shape)} with strides {rows.stride()}")
+
+
 def empty_z(plan: RoutingPlan, w13: torch.Tensor) -> torch.Tensor:
     """z [T·K, 2I] bf16 for GEMM1 to write: compact, one row per route of the plan's local experts
     without the pool's padding rows (megamoe.h), so the backward keeps T·K rows of it."""
@@ -85,9 +93,8 @@ def gated_gemm(a: torch.Tensor, w13: torch.Tensor, plan: RoutingPlan, activation
     (the same h and z, no pool)."""
     act = native_activation(activation)
     num_local, two_i, hidden = w13.shape
-    if gather and (a.shape[0] != plan.shape.num_tokens or not a.is_contiguous()):
-        raise ValueError(f"gather reads the token rows x [T={plan.shape.num_tokens}, H] contiguous, got "
-                         f"{tuple(a.shape)} with strides {a.stride()}")
+    if gather:
+        _check_token_rows("gather", a, plan, hidden)
     h = a.new_empty(plan.pool_rows if gather else a.shape[0], two_i // 2)
     _native.call("megamoe_grouped_gemm_gated_bf16", f"GEMM1 with {activation}", plan.native(),
                  _native.GatedGemmArgs(a.data_ptr(), w13.data_ptr(), h.data_ptr(), _native.address(z),
@@ -232,9 +239,8 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.
     _, m, n = out.shape
     if out.stride(2) != 1 or out.stride(0) != m * out.stride(1):
         raise ValueError(f"out must be [E, M, N] with rows of unit stride, planes back to back; strides {out.stride()}")
-    if gather_b and (tuple(b.shape) != (plan.shape.num_tokens, n) or not b.is_contiguous()):
-        raise ValueError(f"gather_b reads the token rows [T={plan.shape.num_tokens}, N={n}] contiguous, got "
-                         f"{tuple(b.shape)} with strides {b.stride()}")
+    if gather_b:
+        _check_token_rows("gather_b", b, plan, n)
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
                  _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1),
                                         int(gather_b)), _native.stream(a.device))

@@ -22,7 +22,9 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
+#include <string>
 
+#include "common/status.h"
 #include "kernels/grouped_gemm/config.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
@@ -49,6 +51,16 @@ struct GatheredConfig : Base {
     int32_t top_k;
     int32_t row_elems;  // a multiple of 8: a 16-byte chunk is all inside a row or all past it
   };
+  // Host side: the parameters for token rows [T, row_elems] gathered through the plan's
+  // slot_to_route; `flag` names the argument that asked for them.
+  static int token_rows(const std::string& fn, const char* flag, const megamoe_routing_plan& plan, const void* rows,
+                        int32_t row_elems, MainloopParams* params) {
+    if (plan.slot_to_route == nullptr) {
+      return invalid_argument(fn + flag + " needs the plan's slot_to_route (device pointer)");
+    }
+    *params = {static_cast<const uint16_t*>(rows), plan.slot_to_route, plan.shape.top_k, row_elems};
+    return MEGAMOE_OK;
+  }
 };
 template <int BlockN, int BBoxes>
 using GatheredAConfig = GatheredConfig<Config<BlockN, BBoxes>, Gathered::kA>;

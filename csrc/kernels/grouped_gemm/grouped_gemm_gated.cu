@@ -16,10 +16,7 @@ int run_gated(const PoolProblem& p, const megamoe_gated_gemm_args& args, void* s
   const PoolOperands operands{args.a, "a", args.w13, "w13", Epi::b_rows(p)};
   typename Epi::Cfg::MainloopParams mainloop{};
   if constexpr (Epi::Cfg::kGathered == Gathered::kA) {
-    if (p.plan->slot_to_route == nullptr) {
-      return invalid_argument(p.fn + "gather_a needs the plan's slot_to_route (device pointer)");
-    }
-    mainloop = {static_cast<const uint16_t*>(args.a), p.plan->slot_to_route, p.plan->shape.top_k, p.k};
+    MEGAMOE_RETURN_IF_ERROR(Epi::Cfg::token_rows(p.fn, "gather_a", *p.plan, args.a, p.k, &mainloop));
   }
   return run_pool_gemm<Epi>(p, operands, {args.h, args.z, args.activation_limit}, stream, mainloop);
 }

@@ -27,6 +27,10 @@ template <int BlockN, bool Fp32, class Cfg>
 int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, const megamoe_weight_grad_args& args,
                     void* stream) {
   using Epi = WeightGradEpilogue<BlockN, Fp32, Cfg>;
+  typename Cfg::MainloopParams mainloop{};
+  if constexpr (Cfg::kGathered == Gathered::kB) {
+    MEGAMOE_RETURN_IF_ERROR(Cfg::token_rows(fn, "gather_b", plan, args.b_pool, args.n, &mainloop));
+  }
   typename Epi::Params epi;
   MEGAMOE_RETURN_IF_ERROR(
       weight_grad_epilogue<Epi>(fn, plan, args.out, args.m, args.n, args.out_ld, args.output, &epi));
@@ -34,11 +38,8 @@ int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, con
   // rows gathered from its token rows by the producer (gathered_rows.cuh): no map of B.
   const uint64_t rows = uint64_t(routing::pool_rows(plan));
   CUtensorMap map_a, map_b{};
-  typename Cfg::MainloopParams mainloop{};
   MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_a, args.a_pool, rows, uint64_t(args.m), kBlockK, fn, "a_pool"));
-  if constexpr (Cfg::kGathered == Gathered::kB) {
-    mainloop = {static_cast<const uint16_t*>(args.b_pool), plan.slot_to_route, plan.shape.top_k, args.n};
-  } else {
+  if constexpr (Cfg::kGathered != Gathered::kB) {
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_b, args.b_pool, rows, uint64_t(args.n), kBlockK, fn, "b_pool"));
   }
   return launch<Epi, ExpertScheduler>(map_a, map_b, epi, ExpertScheduler::to_params<Cfg>(plan, args.m, args.n),
@@ -144,9 +145,6 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
   if (a.gather_b != 0 && a.gather_b != 1) {
     return invalid_argument(fn + "gather_b must be 0 (b_pool is the pool) or 1 (the token rows), got " +
                             std::to_string(a.gather_b));
-  }
-  if (a.gather_b && plan->slot_to_route == nullptr) {
-    return invalid_argument(fn + "gather_b needs the plan's slot_to_route (device pointer)");
   }
   return run_weight_grad(fn, *plan, a, stream);
 }
