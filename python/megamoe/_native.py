@@ -92,7 +92,8 @@ ScatterGemmArgs = _struct("megamoe_scatter_gemm_args", ("a", _ptr), ("b", _ptr),
                           ("b_layout", _i32))
 GatedBackwardArgs = _struct("megamoe_gated_backward_args", ("dy_pool", _ptr), ("w2", _ptr), ("z", _ptr),
                             ("p_pool", _ptr), ("dz", _ptr), ("hp", _ptr), ("dp_partial", _ptr),
-                            ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32))
+                            ("intermediate", _i32), ("hidden", _i32), ("activation", _i32), ("activation_limit", _f32),
+                            ("gather_a", _i32))
 DpReduceArgs = _struct("megamoe_dp_reduce_args", ("dp_partial", _ptr), ("dp", _ptr), ("intermediate", _i32))
 WeightGradFp8Args = _struct("megamoe_weight_grad_fp8_args", ("a_t", _ptr), ("a_scales", _ptr), ("b_t", _ptr),
                             ("b_scales", _ptr), ("out", _ptr), ("m", _i32), ("n", _i32), ("output", _i32))
@@ -100,7 +101,8 @@ TransposeQuantizeFp8Args = _struct("megamoe_transpose_quantize_fp8_args", ("src"
                                    ("scales", _ptr), ("cols", _i32), ("blocks", _i32), ("src_rows", _i32),
                                    ("src_dtype", _i32), ("src_scales", _ptr))
 WeightGradArgs = _struct("megamoe_weight_grad_args", ("a_pool", _ptr), ("b_pool", _ptr), ("out", _ptr),
-                         ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32), ("gather_b", _i32))
+                         ("m", _i32), ("n", _i32), ("output", _i32), ("out_ld", _i32), ("gather_b", _i32),
+                         ("gather_a", _i32))
 
 STRUCTS = (RoutingShape, RoutingPlan, DispatchArgs, DispatchFp8Args, CombineArgs, DispatchPeersArgs, CombinePeersArgs,
            GemmArgs, GemmFp8Args, QuantizeFp8Args, DequantizeFp8Args, QuantizeBlocksTransposedFp8Args, TransposeFp8Args,

@@ -20,11 +20,18 @@ from . import _native, fp8
 from .routing import RoutingPlan
 
 
-def dispatch(plan: RoutingPlan, rows: torch.Tensor, weights: torch.Tensor | None = None):
+def dispatch(plan: RoutingPlan, rows: torch.Tensor | None, weights: torch.Tensor | None = None):
     """The plan's pool [pool rows, H] of rows [T, H] of any dtype (rows of a multiple of 16 bytes, which
     may be columns of a wider tensor): each live pool row holds its route's token row; padding rows are
     zero. With weights [T, K], (pool, p [pool rows] fp32): also each live row's route weight, 0 on
-    padding rows."""
+    padding rows; with rows None, p alone (for GEMMs that read the rows by route themselves)."""
+    if rows is None:
+        if weights is None:
+            raise ValueError("dispatch needs rows, weights or both")
+        weights, weights_pool = _weights_pool(plan, weights)
+        args = _native.DispatchArgs(0, 0, weights.data_ptr(), weights_pool.data_ptr(), 0, 0)
+        _native.call("megamoe_dispatch_bf16", "fused dispatch", plan.native(), args, _native.stream(weights.device))
+        return weights_pool
     if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         raise ValueError(f"rows [T, H] must have contiguous columns and rows at least H apart, got strides "
                          f"{rows.stride()}")

@@ -37,7 +37,8 @@ soon as dh has read it, unless a later backward through the same graph needs it 
 gradients are allocated just before their GEMMs. Where the bf16 pool of x was not kept
 (recompute="gather"), dW13 is made in two column halves of H, each from a pool of x that half
 wide, so the backward's peak (dW13, with dz and the other gradients live) holds half of that pool.
-At small batches dW13 reads x's rows by route as GEMM1 does, with no pool at all.
+At small batches dW13 reads x's rows by route as GEMM1 does, and dh and dW2 dy's, with no pools at
+all (only p is dispatched).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def _routed(plan: RoutingPlan, x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(plan.num_routes, x.shape[1], dtype=torch.bfloat16)
 
 
-def _gemm1_gathers(num_routes: int, num_local: int) -> bool:
-    """Whether the bf16 GEMM1 reads x's token rows by route instead of a dispatched pool: where experts
-    get at most a block of rows on average (T·K <= 128·E_local) x stays in L2 while the weights stream
-    past, and the pool would be mostly padding, written and read back through DRAM."""
+def _gathers_rows(num_routes: int, num_local: int) -> bool:
+    """Whether the bf16 GEMMs read token rows by route instead of dispatched pools (GEMM1 and dW13 x's,
+    dh and dW2 dy's): where experts get at most a block of rows on average (T·K <= 128·E_local) the
+    rows stay in L2 while the weights stream past, and a pool would be mostly padding, written and read
+    back through DRAM."""
     return num_routes <= _native.BLOCK_M * num_local
 
 
@@ -87,7 +89,7 @@ def _forward_experts(plan: RoutingPlan, x: torch.Tensor, w13, w2, activation, z,
         routed = _routed(plan, x)
         grouped_gemm_scatter_fp8(h, h_scales, w2_fp8.q, w2_fp8.scales, plan, routed)
         return routed, None
-    if _gemm1_gathers(plan.num_routes, w13.shape[0]):
+    if _gathers_rows(plan.num_routes, w13.shape[0]):
         x_pool = None
         h = gated_gemm(x.contiguous(), w13, plan, activation, z, gather=True)
     else:
@@ -106,7 +108,7 @@ def fused_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     in `precision` ("bf16", "fp8", "fp8_bwd": its forward is bf16). With keep, GEMM1's gate | up
     output z [T·K, 2I] bf16 (compact) for the backward, and with keep_pool as well, in "bf16", its pool
     of x [pool rows, H] (what dW13 reads; the FP8 weight gradients read x's token rows, so "fp8" and
-    "fp8_bwd" keep none, and at small batches GEMM1 makes none: _gemm1_gathers); otherwise empty.
+    "fp8_bwd" keep none, and at small batches GEMM1 makes none: _gathers_rows); otherwise empty.
     With keep_plan, the routing plan's buffer (RoutingPlan.buffer), so the backward does not build it
     again; otherwise empty."""
     check_activation(activation)
@@ -149,7 +151,7 @@ def _(x, topk_ids, topk_weights, w13, w2, activation, precision, keep, keep_pool
         return torch.empty_like(x), x_pool, z, plan
     if keep:
         z = x.new_empty(topk_ids.numel(), w13.shape[1])
-        if keep_pool and precision == "bf16" and not _gemm1_gathers(topk_ids.numel(), w13.shape[0]):
+        if keep_pool and precision == "bf16" and not _gathers_rows(topk_ids.numel(), w13.shape[0]):
             x_pool = x.new_empty(pool_capacity(topk_ids.numel(), w13.shape[0]), x.shape[1])
     if keep_plan:
         plan = topk_ids.new_empty(plan_buffer_size(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]),
@@ -185,7 +187,11 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     fp8_backward = precision in ("fp8", "fp8_bwd")
     # In FP8, dh reads dy in e4m3 (dispatched with p below), dW2 dy's e4m3 token rows or pool and dW13
     # x's token rows: no bf16 pools.
-    if not fp8_backward:
+    # At small batches dh and dW2 read dy's token rows by route: only p is dispatched.
+    gather_dy = not fp8_backward and _gathers_rows(plan.num_routes, w13.shape[0])
+    if gather_dy:
+        dy_pool, p_pool = dy, dispatch(plan, None, topk_weights)
+    elif not fp8_backward:
         dy_pool, p_pool = dispatch(plan, dy, topk_weights)
     if z.numel() == 0:  # recompute: z in the forward's precision (in bf16 its pool of x serves dW13 too)
         free_z = False  # our own: freed when it goes out of scope
@@ -211,7 +217,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         dy_source = dy_rows if token_rows else (dy_q, dy_scales)  # e4m3 values and scales
         del dy_q, dy_scales, dy_rows
     else:
-        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation)
+        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation, gather=gather_dy)
     if free_z:
         z.untyped_storage().resize_(0)
     del z
@@ -229,7 +235,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
                             hp, plan, out)
             del values, scales
         else:
-            weight_grad(dy_pool, hp, plan, out)
+            weight_grad(dy_pool, hp, plan, out, gather_a=gather_dy)
     dy_pool = dy_source = hp = None  # freed before dx needs its per-route rows
     if need_dx:
         routed = _routed(plan, x)
@@ -249,7 +255,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             weight_grad_fp8(dz_t, x, plan, out, b_tokens=True)
         elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
-        elif _gemm1_gathers(plan.num_routes, w13.shape[0]):  # small batches: x's rows read by route
+        elif _gathers_rows(plan.num_routes, w13.shape[0]):  # small batches: x's rows read by route
             weight_grad(dz, x.contiguous(), plan, out, gather_b=True)
         else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):

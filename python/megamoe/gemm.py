@@ -174,16 +174,20 @@ class Fp8DhOutputs(NamedTuple):
 
 
 def gated_backward(dy_pool: torch.Tensor, w2: torch.Tensor, z: torch.Tensor, p_pool: torch.Tensor,
-                   plan: RoutingPlan, activation: str = "swiglu"
+                   plan: RoutingPlan, activation: str = "swiglu", gather: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz [rows, 2I], hp [rows, I], dp partials [rows, I / 128] fp32): dh = dy_pool · w2[e] through
     the activation's backward at z (GEMM1's, compact), with p_pool [rows] each row's topk weight
-    (hp = p · h, dp = ⟨h, dh⟩)."""
+    (hp = p · h, dp = ⟨h, dh⟩). dy_pool is the pool of dy, or with gather dy's token rows [T, H]
+    themselves, read by route (the same bits, no pool)."""
     act = native_activation(activation)
     num_local, hidden, inter = w2.shape
+    if gather:
+        _check_token_rows("gather", dy_pool, plan, hidden)
     dz, hp, dp_partial = _backward_outputs(plan, z, inter)
     args = _native.GatedBackwardArgs(dy_pool.data_ptr(), w2.data_ptr(), z.data_ptr(), p_pool.data_ptr(),
-                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, *act)
+                                     dz.data_ptr(), hp.data_ptr(), dp_partial.data_ptr(), inter, hidden, *act,
+                                     int(gather))
     _native.call("megamoe_grouped_gemm_gated_backward_bf16", f"dh with the {activation} backward", plan.native(),
                  args, _native.stream(dy_pool.device))
     return dz, hp, dp_partial
@@ -230,20 +234,25 @@ def reduce_dp(dp_partial: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
 
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, out: torch.Tensor,
-                gather_b: bool = False) -> None:
+                gather_a: bool = False, gather_b: bool = False) -> None:
     """out[e] = a[rows of e]ᵀ · b[rows of e] for every local expert; out [E_local, M, N] bf16 is
     written, fp32 is added to (a main_grad). out may be a slice of columns of a wider gradient
-    (out.stride(1) elements between rows). b is a pool, or with gather_b the token rows [T, N] the
-    pool's rows are read from by route (the same bits, no pool)."""
+    (out.stride(1) elements between rows). a and b are pools, or one of them (gather_a: a [T, M],
+    gather_b: b [T, N]) the token rows the pool's rows are read from by route (the same bits, no
+    pool)."""
     output = _native.GRAD_FP32_ADD if out.dtype == torch.float32 else _native.GRAD_BF16
     _, m, n = out.shape
     if out.stride(2) != 1 or out.stride(0) != m * out.stride(1):
         raise ValueError(f"out must be [E, M, N] with rows of unit stride, planes back to back; strides {out.stride()}")
+    if gather_a and gather_b:
+        raise ValueError("weight_grad gathers one operand at most: gather_a or gather_b, not both")
+    if gather_a:
+        _check_token_rows("gather_a", a, plan, m)
     if gather_b:
         _check_token_rows("gather_b", b, plan, n)
     _native.call("megamoe_grouped_weight_grad_bf16", "weight gradient", plan.native(),
                  _native.WeightGradArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, output, out.stride(1),
-                                        int(gather_b)), _native.stream(a.device))
+                                        int(gather_b), int(gather_a)), _native.stream(a.device))
 
 
 def transpose_quantize(src: torch.Tensor, plan: RoutingPlan, in_blocks: bool, tokens: bool = False,

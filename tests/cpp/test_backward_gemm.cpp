@@ -100,9 +100,12 @@ TEST_P(SwigluBackwardTest, MatchesHostReference) {
   const int inter = c.n, hidden = c.k, cols = MEGAMOE_DP_PARTIAL_COLS(c.n);
   const int64_t rows = d.max_blocks * MEGAMOE_BLOCK_M, live_rows = int64_t(p.num_blocks) * MEGAMOE_BLOCK_M;
   std::mt19937 rng(c.seed * 7919u);
-  // dy: real rows random, padding rows and rows past the live blocks NaN (the kernel must not mix
-  // them into real rows, nor let them into the zero dz / hp of padding rows).
-  const std::vector<uint16_t> dy = make_pool(p, hidden, rng);
+  // dy: the pool of random token rows, its padding rows and rows past the live blocks NaN (the kernel
+  // must not mix them into real rows, nor let them into the zero dz / hp of padding rows).
+  std::uniform_real_distribution<float> dydist(-1.f, 1.f);
+  std::vector<uint16_t> dy_tokens(c.tokens * hidden);
+  for (auto& v : dy_tokens) v = to_bf16(dydist(rng));
+  const std::vector<uint16_t> dy = pool_of_tokens(p, dy_tokens, hidden, c.top_k);
   const std::vector<uint16_t> w2 = make_weights(int64_t(c.local_experts) * hidden * inter, hidden, rng);  // [E, H, I]
   // z, compact (one row per route): the local routes' rows uniform in [-6, 6] (linear and saturated
   // sigmoid), the rows past them NaN (a block's padding rows read the next expert's rows, or these).
@@ -220,6 +223,26 @@ TEST_P(SwigluBackwardTest, MatchesHostReference) {
   const std::vector<float> dpp2 = dpp_dev.download();
   EXPECT_EQ(std::memcmp(dpp2.data(), dpp.data(), dpp.size() * 4), 0) << "dp_partial not deterministic";
   EXPECT_TRUE(z_dev.download() == z) << "z was written";
+
+  // dy's rows read from its token rows by the producer (gather_a) instead of the pool: the same bits
+  // (dp_partial on the real rows: a pool's NaN padding rows give NaN partials there, never read).
+  DeviceBuffer<uint16_t> dy_tokens_dev(dy_tokens.size());
+  dy_tokens_dev.upload(dy_tokens);
+  megamoe_gated_backward_args gathered = args;
+  gathered.dy_pool = dy_tokens_dev.ptr;
+  gathered.gather_a = 1;
+  ASSERT_EQ(cudaMemset(dz_dev.ptr, 0xFF, dz_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(hp_dev.ptr, 0xFF, hp_dev.count * 2), cudaSuccess);
+  ASSERT_EQ(megamoe_grouped_gemm_gated_backward_bf16(&d.plan, &gathered, nullptr), MEGAMOE_OK)
+      << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(dz_dev.download() == dz && hp_dev.download() == hp) << "gathered dy: dz or hp differ from the pool's";
+  const std::vector<float> dpp_gathered = dpp_dev.download();
+  int64_t dpp_differ = 0;
+  for (const CheckedRow& row : real) {
+    dpp_differ += std::memcmp(&dpp_gathered[row.pool_row * cols], &dpp[row.pool_row * cols], cols * 4) != 0;
+  }
+  EXPECT_EQ(dpp_differ, 0) << "gathered dy: dp_partial differs from the pool's on real rows";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SwigluBackwardTest, ::testing::ValuesIn(swiglu_backward_cases()),
@@ -247,6 +270,13 @@ TEST(GroupedGemmSwigluBackwardValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.hidden = 100; },
            "hidden must be a positive multiple of 8 (16-byte bf16 rows), got 100"},
           {[](auto&, auto& a) { a.z = check_buf + 4; }, "z must be 16-byte aligned"},
+          {[](auto&, auto& a) { a.gather_a = 2; },
+           "gather_a must be 0 (dy_pool is the pool) or 1 (the token rows), got 2"},
+          {[](auto& pl, auto& a) {
+             a.gather_a = 1;
+             pl.slot_to_route = nullptr;
+           },
+           "gather_a needs the plan's slot_to_route"},
           {[](auto& pl, auto&) { pl.compact_offsets = nullptr; },
            "the plan's expert_offsets and compact_offsets must be non-null (z is compact)"},
           {[](auto&, auto& a) { a.dp_partial = reinterpret_cast<float*>(check_buf) + 1; },
@@ -502,6 +532,20 @@ TEST_P(WeightGradTest, MatchesHostReference) {
   const std::vector<float> g32 = out32.download();
   EXPECT_EQ(std::memcmp(g32.data(), o32.data(), o32.size() * 4), 0)
       << "fp32 gradient from gathered rows differs from the pool's";
+
+  // A's rows gathered the same way (gather_a, as dW2 reads dy): x_poolᵀ · x_pool [n, n] from the
+  // token rows of A against both operands from the pool, the same bits.
+  DeviceBuffer<float> square_pool(int64_t(experts) * n * n), square_gathered(int64_t(experts) * n * n);
+  ASSERT_EQ(cudaMemset(square_gathered.ptr, 0xFF, square_gathered.count * 4), cudaSuccess);
+  const megamoe_weight_grad_args from_pool{b_dev.ptr, b_dev.ptr, square_pool.ptr, n, n, MEGAMOE_GRAD_FP32};
+  const megamoe_weight_grad_args from_rows{x_dev.ptr, b_dev.ptr, square_gathered.ptr, n, n, MEGAMOE_GRAD_FP32,
+                                           0,         0,        1};
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(&d.plan, &from_pool, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  ASSERT_EQ(megamoe_grouped_weight_grad_bf16(&d.plan, &from_rows, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> sq_pool = square_pool.download(), sq_rows = square_gathered.download();
+  EXPECT_EQ(std::memcmp(sq_rows.data(), sq_pool.data(), sq_pool.size() * 4), 0)
+      << "gradient from gathered A rows differs from the pool's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WeightGradTest, ::testing::ValuesIn(weight_grad_cases()),
@@ -543,6 +587,15 @@ TEST(WeightGradValidation, RejectsBadArguments) {
           {[](auto&, auto& a) { a.n = 196; }, "n must be a positive multiple of 8 (16-byte bf16 rows), got 196"},
           {[](auto&, auto& a) { a.gather_b = 3; },
            "gather_b must be 0 (b_pool is the pool) or 1 (the token rows), got 3"},
+          {[](auto&, auto& a) { a.gather_a = -1; },
+           "gather_a must be 0 (a_pool is the pool) or 1 (the token rows), got -1"},
+          {[](auto&, auto& a) { a.gather_a = a.gather_b = 1; },
+           "gather_a and gather_b cannot both be 1 (one operand is gathered at most)"},
+          {[](auto& pl, auto& a) {
+             a.gather_a = 1;
+             pl.slot_to_route = nullptr;
+           },
+           "gather_a needs the plan's slot_to_route"},
           {[](auto& pl, auto& a) {
              a.gather_b = 1;
              pl.slot_to_route = nullptr;

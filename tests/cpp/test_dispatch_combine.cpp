@@ -102,6 +102,11 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
   ASSERT_EQ(megamoe_dispatch_bf16(&plan, &dispatch, nullptr), MEGAMOE_OK) << megamoe_last_error();
   const auto pool = to_host(d_pool, capacity * hidden);
   const auto weights_pool = to_host(d_weights_pool, capacity);
+  // The weights alone (no rows): the same weights pool.
+  auto* d_weights_alone = to_device(std::vector<float>(capacity, -7.f));
+  const megamoe_dispatch_args weights_alone{nullptr, nullptr, d_weights, d_weights_alone, 0};
+  ASSERT_EQ(megamoe_dispatch_bf16(&plan, &weights_alone, nullptr), MEGAMOE_OK) << megamoe_last_error();
+  EXPECT_TRUE(to_host(d_weights_alone, capacity) == weights_pool) << "the weights alone differ from the weights";
   for (int64_t row = 0; row < capacity; ++row) {
     const int32_t route = slot_to_route[row];
     const float want_weight = row >= int64_t(num_blocks) * 128 ? -7.f : route < 0 ? 0.f : p.weights[route];
@@ -156,7 +161,7 @@ TEST_P(DispatchCombineTest, MatchesHostReference) {
     }
   }
   for (void* ptr : std::initializer_list<void*>{d_x, plan.slot_to_route, plan.route_to_slot, plan.num_blocks,
-                                                d_weights, d_pool, d_weights_pool, d_routed, d_y}) {
+                                                d_weights, d_pool, d_weights_pool, d_weights_alone, d_routed, d_y}) {
     cudaFree(ptr);
   }
 }
@@ -170,7 +175,9 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
   using Combine = megamoe_combine_args;
   void* p = check_buf;
   const auto* fp = reinterpret_cast<const float*>(check_buf);
-  const char* dispatch_null = "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null";
+  const char* dispatch_null =
+      "x, pool (both null only with weights) and the plan's route_to_slot, slot_to_route and num_blocks must be "
+      "non-null";
   expect_rejections<Dispatch>(
       megamoe_dispatch_bf16, unread_plan({1, 1, 1, 0, 1}), Dispatch{p, p, nullptr, nullptr, 128},
       {
@@ -184,6 +191,13 @@ TEST(DispatchCombineValidation, RejectsBadArguments) {
            "x_stride 136 must be 0 (row_bytes) or a multiple of 16 no smaller than row_bytes = 128"},
           {[=](auto&, auto& a) { a.weights = fp; }, "weights and weights_pool go together"},
           {[](auto&, auto& a) { a.pool = nullptr; }, dispatch_null},
+          {[](auto&, auto& a) { a.x = a.pool = nullptr; }, dispatch_null},
+          {[=](auto&, auto& a) {
+             a.x = a.pool = nullptr;
+             a.weights = fp;
+             a.weights_pool = reinterpret_cast<float*>(check_buf);
+           },
+           "row_bytes 128 must be 0 without rows (x and pool null)"},
           {[](auto& pl, auto&) { pl.route_to_slot = nullptr; }, dispatch_null},
           {[](auto& pl, auto&) { pl.num_blocks = nullptr; }, dispatch_null},
       });

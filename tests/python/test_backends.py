@@ -365,7 +365,7 @@ def test_fused_recompute_gives_the_kept_activations_gradients(case, shape, monke
     rounding. The pool paths, as above T·K = 128·E (the gathered ones: the test below)."""
     from megamoe import fused
 
-    monkeypatch.setattr(fused, "_gemm1_gathers", lambda routes, local: False)
+    monkeypatch.setattr(fused, "_gathers_rows", lambda routes, local: False)
     x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
     dy = torch.randn_like(x)
     grads = {}
@@ -385,17 +385,17 @@ def test_fused_recompute_gives_the_kept_activations_gradients(case, shape, monke
                          ids=["h256", "h200"])
 @pytest.mark.parametrize("case", ["masked", "one_expert", "odd_t", "t1"])
 @pytest.mark.parametrize("recompute", [False, "gather"])
-def test_fused_small_batch_gemm1_gathers_the_pools_bits(case, shape, recompute, monkeypatch):
-    """At small batches GEMM1 and dW13 read x's token rows by route instead of a dispatched pool: the
-    output and every gradient bit for bit those of the pool path."""
+def test_fused_small_batch_gathers_rows_the_pools_bits(case, shape, recompute, monkeypatch):
+    """At small batches GEMM1 and dW13 read x's token rows by route instead of a dispatched pool, and dh
+    and dW2 dy's: the output and every gradient bit for bit those of the pool path."""
     from megamoe import fused
 
     x, ids, weights, w13, w2 = edge_case_inputs(case, shape, "cuda")
-    assert fused._gemm1_gathers(ids.numel(), shape.num_experts)
+    assert fused._gathers_rows(ids.numel(), shape.num_experts)
     dy = torch.randn_like(x)
     results = []
     for gathers in (True, False):
-        monkeypatch.setattr(fused, "_gemm1_gathers", lambda routes, local, gathers=gathers: gathers)
+        monkeypatch.setattr(fused, "_gathers_rows", lambda routes, local, gathers=gathers: gathers)
         leaves = [leaf(t) for t in (x, weights, w13, w2)]
         poison_cuda_cache()
         y = megamoe.moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="fused", recompute=recompute)

@@ -76,16 +76,18 @@ int megamoe_build_routing_host(const void* topk_ids, int32_t id_bytes, const meg
 // dispatch: pool[route_to_slot[t, k]] = x[t] for every route with a slot; the padding rows of the
 //           live blocks (r < 128 * *num_blocks, slot_to_route[r] < 0) are zeroed, rows past the
 //           live blocks are not touched. Walks tokens, so each row of x is read once. With weights,
-//           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows).
+//           also weights_pool[slot] = weights[t, k] the same way (0 on padding rows). With weights,
+//           x and pool may both be null (row_bytes 0): the weights alone, for GEMMs that read the
+//           rows by route themselves.
 // combine:  y[t] = Σ_k topk_weights[t, k] · routed[t * K + k] over routes with route_to_slot >= 0,
 //           in ascending k, fp32, rounded once (deterministic); null topk_weights: every weight 1.
 // ---------------------------------------------------------------------------------------------
 typedef struct {
-  const void* x;         // [T, row_bytes], rows x_stride bytes apart
-  void* pool;            // [max_blocks * 128, row_bytes]
+  const void* x;         // [T, row_bytes], rows x_stride bytes apart; null only with pool
+  void* pool;            // [max_blocks * 128, row_bytes]; null only with x (the weights alone)
   const float* weights;  // [T, K] fp32, or null (then weights_pool is null too)
   float* weights_pool;   // [max_blocks * 128] fp32, or null
-  int32_t row_bytes;     // a positive multiple of 16 (bf16: 2 * hidden)
+  int32_t row_bytes;     // a positive multiple of 16 (bf16: 2 * hidden); 0 without rows
   int32_t x_stride;      // 0: row_bytes; else a multiple of 16 no smaller (columns of a wider x)
 } megamoe_dispatch_args;
 
@@ -454,7 +456,8 @@ int megamoe_grouped_gemm_scatter_fp8(const megamoe_routing_plan* plan, const meg
 // intermediate] bf16; z [T * K, 2 * intermediate] bf16, compact as GEMM1 writes it; p_pool
 // [max_blocks * 128] and dp_partial [max_blocks * 128, MEGAMOE_DP_PARTIAL_COLS(intermediate)] fp32.
 // All 16-byte aligned; intermediate and hidden multiples of 8 (of 128 in the FP8 version). Rows of
-// blocks >= *num_blocks are not touched.
+// blocks >= *num_blocks are not touched. gather_a = 1: dy_pool is the token rows dy [T, hidden]
+// instead of a pool, read by route as megamoe_gated_gemm_args' gather_a reads x: the same bits.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_DP_PARTIAL_COLS(intermediate) (((intermediate) + 127) / 128)
 
@@ -470,6 +473,7 @@ typedef struct {
   int32_t hidden;
   int32_t activation;  // MEGAMOE_ACTIVATION_*, as in the forward
   float activation_limit;  // as in the forward
+  int32_t gather_a;    // 0: dy_pool is the pool; 1: the token rows (above)
 } megamoe_gated_backward_args;
 
 int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_plan* plan,
@@ -537,7 +541,8 @@ int megamoe_dp_reduce(const megamoe_routing_plan* plan, const megamoe_dp_reduce_
 // from a pool of x's same columns (a pool of x a slice wide, not H). gather_b = 1: b_pool is the
 // token rows x [T, n] instead of a pool, each pool row read from token row slot_to_route[r] / top_k
 // (zeros for padding rows): dw13 with no pool of x, the same bits (small batches, where x stays in
-// L2).
+// L2). gather_a = 1: a_pool is the token rows dy [T, m], read the same way (dw2 with no pool of dy);
+// at most one of the two.
 // ---------------------------------------------------------------------------------------------
 #define MEGAMOE_GRAD_BF16 0      // out is bf16, overwritten
 #define MEGAMOE_GRAD_FP32 1      // out is fp32, overwritten
@@ -552,6 +557,7 @@ typedef struct {
   int32_t output;  // MEGAMOE_GRAD_*
   int32_t out_ld;  // 0: n
   int32_t gather_b;  // 0: b_pool is the pool; 1: the token rows (above)
+  int32_t gather_a;  // 0: a_pool is the pool; 1: the token rows (above)
 } megamoe_weight_grad_args;
 
 int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan, const megamoe_weight_grad_args* args,

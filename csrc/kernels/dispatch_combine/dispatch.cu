@@ -52,6 +52,7 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
   constexpr int kSegment = 32 * kVecsPerLane;
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp; t < num_tokens; t += warps) {
+    if (weights_pool != nullptr) store_token_weights(route_to_slot, weights, weights_pool, t, top_k);
     for (int segment = 0; segment < vecs_per_row; segment += kSegment) {
       Bf16x8 v[kVecsPerLane];
 #pragma unroll
@@ -59,7 +60,6 @@ __device__ void copy_token_rows(const Bf16x8* __restrict__ x, Bf16x8* __restrict
         const int c = segment + i * 32 + lane;
         if (c < vecs_per_row) v[i] = load_readonly(x + t * x_vecs_per_row + c);
       }
-      if (segment == 0 && weights_pool != nullptr) store_token_weights(route_to_slot, weights, weights_pool, t, top_k);
       for_token_slots(route_to_slot, t, top_k, [&](int64_t slot) {
 #pragma unroll
         for (int i = 0; i < kVecsPerLane; ++i) {
@@ -180,9 +180,12 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   if (args == nullptr) return invalid_argument(fn + "args must be non-null");
   const megamoe_dispatch_args& a = *args;
   constexpr int kVecBytes = int(sizeof(Bf16x8));
-  if (a.row_bytes <= 0 || a.row_bytes % kVecBytes) {
-    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) + " must be a positive multiple of 16 "
-                            "(bf16 rows: a hidden size that is a multiple of 8)");
+  const bool weights_alone = a.x == nullptr && a.pool == nullptr && a.weights != nullptr;
+  if (weights_alone ? a.row_bytes != 0 : (a.row_bytes <= 0 || a.row_bytes % kVecBytes)) {
+    return invalid_argument(fn + "row_bytes " + std::to_string(a.row_bytes) +
+                            (weights_alone ? " must be 0 without rows (x and pool null)"
+                                           : " must be a positive multiple of 16 (bf16 rows: a hidden size that "
+                                             "is a multiple of 8)"));
   }
   if (a.x_stride != 0 && (a.x_stride < a.row_bytes || a.x_stride % kVecBytes)) {
     return invalid_argument(fn + "x_stride " + std::to_string(a.x_stride) +
@@ -191,8 +194,9 @@ extern "C" int megamoe_dispatch_bf16(const megamoe_routing_plan* plan, const meg
   }
   const int64_t num_tokens = plan->shape.num_tokens;
   const int64_t max_rows = routing::pool_rows(*plan);
-  if (!a.x || !a.pool || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
-    return invalid_argument(fn + "x, pool and the plan's route_to_slot, slot_to_route and num_blocks must be non-null");
+  if ((!weights_alone && (!a.x || !a.pool)) || !plan->route_to_slot || !plan->slot_to_route || !plan->num_blocks) {
+    return invalid_argument(fn + "x, pool (both null only with weights) and the plan's route_to_slot, slot_to_route "
+                            "and num_blocks must be non-null");
   }
   if ((a.weights == nullptr) != (a.weights_pool == nullptr)) {
     return invalid_argument(fn + "weights and weights_pool go together (both null, or both set)");

@@ -71,7 +71,7 @@ constexpr int pipeline_stages(int stage_bytes, int epi_bytes) {
 enum class Major { K, MN };  // which dimension of an operand is contiguous in global memory
 
 // Which operand, if any, the producer warpgroup gathers from token rows instead of loading a pool
-// by TMA (gathered_rows.cuh): A of GEMM1 (K-major), B of the weight gradients (MN-major).
+// by TMA (gathered_rows.cuh): A of GEMM1 and dh (K-major), A of dW2 or B of dW13 (MN-major).
 enum class Gathered { kNone, kA, kB };
 
 // What follows from a stage's size and the tile width, for every precision: the epilogue buffers,

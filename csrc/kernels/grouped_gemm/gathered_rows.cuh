@@ -2,17 +2,19 @@
 // dispatched pool: pool row r holds token row slot_to_route[r] / top_k of `rows` [T, row_elems], or
 // zeros for a padding row. Used where experts get few rows (small batches): the token rows stay in L2
 // while the weights stream past, where a pool is K-fold larger, mostly padding, written by a dispatch
-// and read back from DRAM.
-//   Gathered::kA  GEMM1: A [pool rows, K] K-major, a stage's 128 pool rows x 64 columns of K;
-//   Gathered::kB  dW13 = dzᵀ·x: B [pool rows, N] MN-major, a stage's 64 pool rows (its k-block) x
-//                 BLOCK_N columns of N, in BLOCK_N / 64 boxes.
+// and read back from DRAM. The gathered operand's major decides which pool rows a stage holds:
+//   K-major  (GEMM1's A = x, dh's A = dy): a stage's 128 pool rows (the tile's M) x 64 columns of K,
+//            the same rows in every k-block;
+//   MN-major (the weight gradients: dW13's B = x, dW2's A = dy): a stage's 64 pool rows (its k-block)
+//            x the tile's 128 or BLOCK_N columns of M or N, in 64-column boxes.
 //
 // The whole producer warpgroup loads: thread 0 arms each stage's full barrier with the other
 // operand's bytes and issues its TMA boxes (as mainloop.cuh's produce_operands does); every thread
 // then copies 16-byte chunks of the gathered rows by cp.async into the same 128B-swizzled tile TMA
 // would write (operand.cuh: a tile row's 16-byte chunk c lands at chunk c ^ (row % 8)), and the stage
 // completes when the copies of all 128 threads have landed (cp.async.mbarrier.arrive.noinc: the full
-// barrier counts 1 + 128 arrivals).
+// barrier counts 1 + 128 arrivals). An epilogue's ring stages (dh's z chunks) are loaded by thread 0
+// as produce_operands loads them, and every thread arrives on them once, so they count the same.
 #pragma once
 
 #include <cuda.h>
@@ -26,6 +28,7 @@
 
 #include "common/status.h"
 #include "kernels/grouped_gemm/config.cuh"
+#include "kernels/grouped_gemm/epilogue.cuh"
 #include "kernels/grouped_gemm/operand.cuh"
 #include "kernels/grouped_gemm/pipeline.cuh"
 #include "kernels/grouped_gemm/scheduler.cuh"
@@ -37,13 +40,14 @@ constexpr int kChunksPerRow = kSwizzleBytes / 16;                // 16-byte chun
 constexpr int kGatherRowStep = kGatherThreads / kChunksPerRow;  // tile rows one pass of the warpgroup covers: 16
 
 // The bf16 Config (Base) with one operand gathered (kernel.cuh picks the producer by kGathered).
-template <class Base, Gathered Which>
+// ProducerRegs: each producer thread holds its rows' token indices beside the tile's coordinates
+// (56; dh's producer, which also loads its epilogue's z chunks, 64); the math warpgroups get the rest.
+template <class Base, Gathered Which, int ProducerRegs = 56>
 struct GatheredConfig : Base {
   static_assert(!Base::kFp8, "gathered rows are bf16");
   static constexpr Gathered kGathered = Which;
-  // Each producer thread holds its rows' token indices beside the tile's coordinates.
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kMathRegs = 224;
+  static constexpr int kProducerRegs = ProducerRegs;
+  static constexpr int kMathRegs = (kThreads * 168 - 128 * ProducerRegs) / 256 / 8 * 8;
   static_assert(128 * kProducerRegs + 256 * kMathRegs <= kThreads * 168, "setmaxnreg.inc would wait forever");
   struct MainloopParams {
     const uint16_t* rows;          // [T, row_elems] bf16 token rows
@@ -64,8 +68,9 @@ struct GatheredConfig : Base {
 };
 template <int BlockN, int BBoxes>
 using GatheredAConfig = GatheredConfig<Config<BlockN, BBoxes>, Gathered::kA>;
-template <int BlockN>
-using GatheredBConfig = GatheredConfig<Config<BlockN, 1, Major::MN, Major::MN>, Gathered::kB>;
+// The weight gradients' (both operands MN-major): dW2's A = dy, or dW13's B = x.
+template <int BlockN, Gathered Which>
+using GatheredWeightGradConfig = GatheredConfig<Config<BlockN, 1, Major::MN, Major::MN>, Which>;
 
 // Arrivals that complete a stage's full barrier: the TMA thread's arrive_and_expect_tx, and with an
 // operand gathered each producer thread's cp.async arrival.
@@ -103,59 +108,80 @@ __device__ __forceinline__ void copy_rows(uint32_t tile, const int32_t (&token)[
 }
 
 // Every producer thread runs this: the TMA operand from thread 0, the gathered one from all.
-template <class Cfg, class Sched, class Smem>
+template <class Cfg, class Epi, class Sched, class Smem>
 __device__ void produce_gathered_operands(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
-                                          const typename Cfg::MainloopParams& m, const Smem& smem, Sched sched) {
+                                          const typename Cfg::MainloopParams& m, const typename Epi::Params& epi,
+                                          const Smem& smem, Sched sched) {
   using LA = OperandLayout<Cfg::kAMajor>;
   using LB = OperandLayout<Cfg::kBMajor>;
+  constexpr bool kGatherA = Cfg::kGathered == Gathered::kA;
+  constexpr Major kMajor = kGatherA ? Cfg::kAMajor : Cfg::kBMajor;
+  static_assert(kGatherA || kMajor == Major::MN, "a gathered B is MN-major (the weight gradients)");
   const int thread = int(threadIdx.x);
   const int chunk = thread % kChunksPerRow;
   const int first_row = thread / kChunksPerRow;
+  // Thread 0: the other operand's k-block kb of the tile at o, by TMA.
+  const auto load_other = [&](uint64_t* full, int stage, const TileOrigin& o, int kb) {
+    if (thread != 0) return;
+    if constexpr (kGatherA) {
+      Barrier::arrive_and_expect_tx(full, Cfg::kBBytes);
+      LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(stage), o.b_mn, o.b_k + kb * Cfg::kKBlock,
+                                                    o.b_box_stride);
+    } else {
+      Barrier::arrive_and_expect_tx(full, Cfg::kABytes);
+      LA::template load<kBlockM, 1>(tma_a, full, smem.a(stage), o.a_mn, o.a_k + kb * Cfg::kKBlock, 0);
+    }
+  };
   PipelineState<Cfg::kStages> state;
   for (; sched.valid(); sched.advance()) {
     const auto tile = sched.tile();
     const TileOrigin o = sched.template origin<Cfg>(tile);
-    if constexpr (Cfg::kGathered == Gathered::kA) {
+    const int mn = kGatherA ? o.a_mn : o.b_mn;  // the gathered operand's origin
+    const int k = kGatherA ? o.a_k : o.b_k;
+    if constexpr (kMajor == Major::K) {
       // The tile's 128 pool rows are its M: the same rows in every k-block.
-      static_assert(Cfg::kAMajor == Major::K);
       constexpr int kRows = kBlockM / kGatherRowStep;  // 8
       int32_t token[kRows];
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) token[i] = token_of(m, o.a_mn + first_row + i * kGatherRowStep);
+      for (int i = 0; i < kRows; ++i) token[i] = token_of(m, mn + first_row + i * kGatherRowStep);
       for (int kb = 0; kb < tile.k_blocks; ++kb) {
         Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
         uint64_t* full = smem.full(state.stage);
-        if (thread == 0) {
-          Barrier::arrive_and_expect_tx(full, Cfg::kBBytes);
-          LB::template load<Cfg::kBlockN, Cfg::kBBoxes>(tma_b, full, smem.b(state.stage), o.b_mn,
-                                                        o.b_k + kb * Cfg::kKBlock, o.b_box_stride);
-        }
+        load_other(full, state.stage, o, kb);
         copy_rows(cute::cast_smem_ptr_to_uint(smem.a(state.stage)), token, m, first_row,
-                  o.a_k + kb * Cfg::kKBlock + chunk * 8);
+                  k + kb * Cfg::kKBlock + chunk * 8);
         cutlass::arch::cpasync_barrier_arrive_noinc(full);
         state.advance();
       }
     } else {
-      // Each k-block's 64 pool rows are its K, and the tile's BLOCK_N columns are 64-column boxes.
-      static_assert(Cfg::kBMajor == Major::MN);
+      // Each k-block's 64 pool rows are its K, and the tile's columns of the operand 64-column boxes.
       constexpr int kRows = kBlockK / kGatherRowStep;  // 4
+      constexpr int kCols = kGatherA ? kBlockM : Cfg::kBlockN;
       for (int kb = 0; kb < tile.k_blocks; ++kb) {
-        const int first_slot = o.b_k + kb * Cfg::kKBlock + first_row;
+        const int first_slot = k + kb * Cfg::kKBlock + first_row;
         int32_t token[kRows];
 #pragma unroll
         for (int i = 0; i < kRows; ++i) token[i] = token_of(m, first_slot + i * kGatherRowStep);
         Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
         uint64_t* full = smem.full(state.stage);
-        if (thread == 0) {
-          Barrier::arrive_and_expect_tx(full, Cfg::kABytes);
-          LA::template load<kBlockM, 1>(tma_a, full, smem.a(state.stage), o.a_mn, o.a_k + kb * Cfg::kKBlock, 0);
-        }
-        const uint32_t b_tile = cute::cast_smem_ptr_to_uint(smem.b(state.stage));
+        load_other(full, state.stage, o, kb);
+        const uint32_t gathered = cute::cast_smem_ptr_to_uint(kGatherA ? smem.a(state.stage) : smem.b(state.stage));
 #pragma unroll
-        for (int box = 0; box < Cfg::kBlockN / kMnBoxCols; ++box) {
-          copy_rows(b_tile + uint32_t(box * kMnBoxBytes), token, m, first_row, o.b_mn + box * kMnBoxCols + chunk * 8);
+        for (int box = 0; box < kCols / kMnBoxCols; ++box) {
+          copy_rows(gathered + uint32_t(box * kMnBoxBytes), token, m, first_row, mn + box * kMnBoxCols + chunk * 8);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(full);
+        state.advance();
+      }
+    }
+    if constexpr (RingChunks<Epi>::value > 0) {
+      if (thread == 0) {
+        PipelineState<Cfg::kStages> ring = state;
+        Epi::load_ring(epi, tile, smem, ring);
+      }
+      for (int c = 0; c < RingChunks<Epi>::value; ++c) {
+        Barrier::wait(smem.empty(state.stage), state.phase ^ 1u);
+        Barrier::arrive(smem.full(state.stage));
         state.advance();
       }
     }

@@ -1,7 +1,8 @@
 // megamoe_grouped_gemm_gated_backward_bf16 / _fp8: dh = dy_pool · w2[e] with the gated activation's
 // backward, the p-weighting and the dp partial sums in the epilogue (kernel.cuh with
 // epilogue_gated_backward.cuh; in FP8 also dz in e4m3 for dx). BF16 reads w2 [E, H, I] as it is:
-// B[e] = [K = H, N = I], MN-major; block FP8 reads its transposed copy [E, I, H] (K-major).
+// B[e] = [K = H, N = I], MN-major; block FP8 reads its transposed copy [E, I, H] (K-major). In bf16 A is
+// the pool of dy or, gathered_rows.cuh, its token rows.
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_gated_backward.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -14,10 +15,24 @@ namespace {
 template <class Epi>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   const PoolOperands operands{args.dy_pool, "dy_pool", args.w2, "w2", BRows{p.k, 0}};
+  typename Epi::Cfg::MainloopParams mainloop{};
+  if constexpr (Epi::Cfg::kGathered == Gathered::kA) {
+    MEGAMOE_RETURN_IF_ERROR(Epi::Cfg::token_rows(p.fn, "gather_a", *p.plan, args.dy_pool, p.k, &mainloop));
+  }
   // The block-FP8 outputs (dz_q, dz_scales, dz_t, dz_t_scales, hp_t, hp_t_scales) stay null.
   const typename Epi::Arguments arguments{args.z,  args.p_pool, args.dz, args.hp, args.dp_partial, nullptr, nullptr,
                                           nullptr, nullptr,     nullptr, nullptr, args.activation_limit};
-  return run_pool_gemm<Epi>(p, operands, arguments, stream);
+  return run_pool_gemm<Epi>(p, operands, arguments, stream, mainloop);
+}
+
+// BLOCK_N wide tiles over dy's pool or, gathered, its token rows.
+template <class Act, int BlockN>
+int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
+  using Pool = Config<BlockN, 1, Major::K, Major::MN>;
+  using Gathered = GatheredConfig<Pool, Gathered::kA, 64>;
+  return args.gather_a ? run_gated_backward<GatedBackwardEpilogue<Act, BlockN, Gathered>>(
+                             p, args, stream)
+                       : run_gated_backward<GatedBackwardEpilogue<Act, BlockN, Pool>>(p, args, stream);
 }
 
 }  // namespace
@@ -29,10 +44,14 @@ extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_pl
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
+  if (args->gather_a != 0 && args->gather_a != 1) {
+    return invalid_argument(fn + "gather_a must be 0 (dy_pool is the pool) or 1 (the token rows), got " +
+                            std::to_string(args->gather_a));
+  }
   return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
-    return wide_tiles(p.n) ? run_gated_backward<GatedBackwardEpilogue<Act, 256>>(p, *args, stream)
-                           : run_gated_backward<GatedBackwardEpilogue<Act, 128>>(p, *args, stream);
+    return wide_tiles(p.n) ? run_gated_backward<Act, 256>(p, *args, stream)
+                           : run_gated_backward<Act, 128>(p, *args, stream);
   });
 }
 

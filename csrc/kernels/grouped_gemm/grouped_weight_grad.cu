@@ -1,10 +1,12 @@
 // megamoe_grouped_weight_grad_bf16: out[e] = A[rows of e]ᵀ · B[rows of e] for every local expert,
 // K running over the expert's routed pool rows (kernel.cuh with scheduler_expert.cuh and
-// epilogue_weight_grad.cuh; both operands token-major, i.e. MN-major; B a pool or, gathered_rows.cuh,
-// the token rows).
+// epilogue_weight_grad.cuh; both operands token-major, i.e. MN-major; each a pool or one of them,
+// gathered_rows.cuh, the token rows).
 // megamoe_grouped_weight_grad_fp8: the same in block FP8 on the operands given transposed (FP8
 // tensor cores read both K-major): Aᵀ with one scale per row and 128 pool rows, Bᵀ with one per
 // 128 x 128 block, the FP8 main loop's promotion (mainloop_fp8.cuh).
+#include <tuple>
+
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_weight_grad.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -28,17 +30,21 @@ int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, con
                     void* stream) {
   using Epi = WeightGradEpilogue<BlockN, Fp32, Cfg>;
   typename Cfg::MainloopParams mainloop{};
-  if constexpr (Cfg::kGathered == Gathered::kB) {
+  if constexpr (Cfg::kGathered == Gathered::kA) {
+    MEGAMOE_RETURN_IF_ERROR(Cfg::token_rows(fn, "gather_a", plan, args.a_pool, args.m, &mainloop));
+  } else if constexpr (Cfg::kGathered == Gathered::kB) {
     MEGAMOE_RETURN_IF_ERROR(Cfg::token_rows(fn, "gather_b", plan, args.b_pool, args.n, &mainloop));
   }
   typename Epi::Params epi;
   MEGAMOE_RETURN_IF_ERROR(
       weight_grad_epilogue<Epi>(fn, plan, args.out, args.m, args.n, args.out_ld, args.output, &epi));
-  // The pool's rows are K: 64 x 64 boxes of each token-major operand (operand.cuh, MN-major), or B's
-  // rows gathered from its token rows by the producer (gathered_rows.cuh): no map of B.
+  // The pool's rows are K: 64 x 64 boxes of each token-major operand (operand.cuh, MN-major), or one
+  // operand's rows gathered from its token rows by the producer (gathered_rows.cuh): no map of it.
   const uint64_t rows = uint64_t(routing::pool_rows(plan));
-  CUtensorMap map_a, map_b{};
-  MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_a, args.a_pool, rows, uint64_t(args.m), kBlockK, fn, "a_pool"));
+  CUtensorMap map_a{}, map_b{};
+  if constexpr (Cfg::kGathered != Gathered::kA) {
+    MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_a, args.a_pool, rows, uint64_t(args.m), kBlockK, fn, "a_pool"));
+  }
   if constexpr (Cfg::kGathered != Gathered::kB) {
     MEGAMOE_RETURN_IF_ERROR(make_tensor_map(&map_b, args.b_pool, rows, uint64_t(args.n), kBlockK, fn, "b_pool"));
   }
@@ -49,8 +55,13 @@ int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, con
 template <int BlockN, bool Fp32>
 int run_weight_grad(const std::string& fn, const megamoe_routing_plan& plan, const megamoe_weight_grad_args& args,
                     void* stream) {
-  return args.gather_b ? run_weight_grad<BlockN, Fp32, GatheredBConfig<BlockN>>(fn, plan, args, stream)
-                       : run_weight_grad<BlockN, Fp32, Config<BlockN, 1, Major::MN, Major::MN>>(fn, plan, args, stream);
+  if (args.gather_a) {
+    return run_weight_grad<BlockN, Fp32, GatheredWeightGradConfig<BlockN, Gathered::kA>>(fn, plan, args, stream);
+  }
+  if (args.gather_b) {
+    return run_weight_grad<BlockN, Fp32, GatheredWeightGradConfig<BlockN, Gathered::kB>>(fn, plan, args, stream);
+  }
+  return run_weight_grad<BlockN, Fp32, Config<BlockN, 1, Major::MN, Major::MN>>(fn, plan, args, stream);
 }
 
 template <int BlockN, bool Fp32>
@@ -142,9 +153,15 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
     return invalid_argument(fn + "out_ld must be 0 (n) or a multiple of 8 no smaller than n = " + std::to_string(a.n) +
                             ", got " + std::to_string(a.out_ld));
   }
-  if (a.gather_b != 0 && a.gather_b != 1) {
-    return invalid_argument(fn + "gather_b must be 0 (b_pool is the pool) or 1 (the token rows), got " +
-                            std::to_string(a.gather_b));
+  for (const auto& [flag, name, operand] : {std::tuple{a.gather_a, "gather_a", "a_pool"},
+                                            std::tuple{a.gather_b, "gather_b", "b_pool"}}) {
+    if (flag != 0 && flag != 1) {
+      return invalid_argument(fn + name + " must be 0 (" + operand + " is the pool) or 1 (the token rows), got " +
+                              std::to_string(flag));
+    }
+  }
+  if (a.gather_a && a.gather_b) {
+    return invalid_argument(fn + "gather_a and gather_b cannot both be 1 (one operand is gathered at most)");
   }
   return run_weight_grad(fn, *plan, a, stream);
 }

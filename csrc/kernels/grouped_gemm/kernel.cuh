@@ -77,15 +77,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   }
   __syncthreads();
 
-  const Sched sched(sched_params);
-
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if constexpr (Cfg::kGathered != Gathered::kNone) {
-      static_assert(RingChunks<Epi>::value == 0, "the gathering producer loads no epilogue stages");
-      produce_gathered_operands<Cfg>(&tma_a, &tma_b, mainloop, smem, sched);
+      produce_gathered_operands<Cfg, Epi>(&tma_a, &tma_b, mainloop, epi, smem, Sched(sched_params));
     } else if (threadIdx.x == 0) {
-      produce_operands<Cfg, Epi>(&tma_a, &tma_b, mainloop, epi, smem, sched);
+      produce_operands<Cfg, Epi>(&tma_a, &tma_b, mainloop, epi, smem, Sched(sched_params));
     }
     return;
   }
@@ -101,7 +98,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const auto store_pending = [&] {
       if (has_pending) Epi::store(pending, epi, smem, math_wg);
     };
-    for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
+    for (Sched tiles(sched_params); tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);
       if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
@@ -126,7 +123,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         Epi::store(values, epi, smem, math_wg, tile, rows);
       }
     };
-    for (Sched tiles = sched; tiles.valid(); tiles.advance()) {
+    for (Sched tiles(sched_params); tiles.valid(); tiles.advance()) {
       const auto tile = tiles.tile();
       const auto rows = Epi::prepare(epi, tile, math_wg);  // loads in flight during the main loop
       if (!Sched::kMayBeEmpty || tile.k_blocks > 0) {
