@@ -27,20 +27,19 @@ MEGAMOE_HOST_DEVICE inline int64_t num_chunks(const megamoe_routing_shape& s) {
   return ceil_div(num_routes(s), kRoutesPerChunk);
 }
 
-// Small plans are built by one CTA, a warp per chunk, whose chunk counters (the workspace's layout:
-// per chunk one int32 per local expert, then one invalid-id count per chunk) stay in its shared
-// memory: one launch and no workspace instead of three launches. Past 16 chunks (8192 routes) the
-// three launches over many CTAs are faster on the GPU (timed alone on an H100: 17.4 against 29.1 µs
-// at 32 chunks); up to 16 they are within 1.2 µs of one CTA, which spares the host two launches.
-constexpr int64_t kOneCtaChunks = 16;
-constexpr int64_t kOneCtaCounterBytes = 64 * 1024;
+// Small plans (up to 8192 routes and 1024 local experts) are built by one launch of a cluster of up
+// to 8 CTAs, a thread per route, whose counters stay in shared memory (read across the cluster):
+// no workspace, and none of the three launches' waits between passes on the critical path.
+constexpr int64_t kClusterRoutesPerCta = 1024;
+constexpr int64_t kClusterMaxCtas = 8;
+constexpr int32_t kClusterMaxExperts = 1024;
 
 MEGAMOE_HOST_DEVICE inline int64_t chunk_counter_bytes(const megamoe_routing_shape& s) {
   return num_chunks(s) * (int64_t(s.num_local_experts) + 1) * int64_t(sizeof(int32_t));
 }
 
-MEGAMOE_HOST_DEVICE inline bool builds_in_one_cta(const megamoe_routing_shape& s) {
-  return num_chunks(s) <= kOneCtaChunks && chunk_counter_bytes(s) <= kOneCtaCounterBytes;
+MEGAMOE_HOST_DEVICE inline bool builds_in_one_cluster(const megamoe_routing_shape& s) {
+  return num_routes(s) <= kClusterRoutesPerCta * kClusterMaxCtas && s.num_local_experts <= kClusterMaxExperts;
 }
 
 // Local expert of a global id, or -1 for masked, out-of-range or other ranks' experts.

@@ -6,12 +6,16 @@
 //              compact) and the block list (each expert's chunks in 8 ranges: sums side by side,
 //              then bases), and sums the chunks' invalid ids;
 //   3. assign: each warp walks its chunk again in route order and hands out pool slots.
-// A small plan (routing.h: builds_in_one_cta) runs the three in one CTA, its chunk counters in
-// shared memory, so a small batch pays one launch and no workspace.
+// A small plan (routing.h: builds_in_one_cluster) is one launch of a cluster of up to 8 CTAs, a
+// thread per route: each warp ranks its routes per expert, each CTA scans its warps' counts per
+// expert in shared memory, and every CTA reads the others' per-expert counts across the cluster
+// (distributed shared memory) to find its routes' slots, so a small batch pays one launch, no
+// workspace and no wait between passes.
 // Routes that hit the same expert inside one 32-route step are ranked by one ballot per bit of the
 // expert id, faster here than __match_any_sync. Count and assign keep each warp's per-expert counters
 // in shared memory and load the chunk's ids first: assign's walk is a chain of read-modify-writes,
 // which in global memory would wait for L2 at every step.
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -29,10 +33,13 @@ constexpr int kScanGroups = 8;     // chunk ranges per expert, scanned side by s
 constexpr int kScanThreads = kScanExperts * kScanGroups;
 constexpr int kStepsPerChunk = kRoutesPerChunk / 32;
 constexpr int kScanBatch = 16;
-// One CTA's chunk counters up to this size fit beside the scan's static shared memory within the
-// default 48 KB; larger ones (up to routing.h's kOneCtaCounterBytes) opt in.
-constexpr int kOneCtaDefaultCounterBytes = 32 * 1024;
-static_assert(kOneCtaChunks <= kScanThreads / 32, "the one-CTA build gives each chunk one of the scan CTA's warps");
+constexpr int kClusterThreads = int(kClusterRoutesPerCta);  // a thread per route
+constexpr int kClusterWarps = kClusterThreads / 32;
+static_assert(kClusterMaxExperts <= kClusterThreads, "the cluster build's scan gives each expert a thread");
+// Per local expert in a cluster CTA's shared memory, a row of kClusterRowInts: its count in each of
+// the CTA's warps (then their exclusive prefix), then the CTA's first slot of the expert; the padding
+// to 33 lets a thread walk one expert's row while its warp's other lanes walk theirs in other banks.
+constexpr int kClusterRowInts = kClusterWarps + 1;
 
 struct WarpGroupOfExpert {
   unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")
@@ -280,24 +287,96 @@ __global__ void assign_slots(const Id* __restrict__ topk_ids, megamoe_routing_sh
   assign_chunk(topk_ids, shape, chunk, next_slot, plan);
 }
 
-// The three passes in one CTA of kScanThreads (builds_in_one_cta): warp w counts and assigns chunk
-// w; the chunk counters are the dynamic shared memory, in the workspace's layout.
+// The plan of up to kClusterMaxCtas * kClusterThreads routes (builds_in_one_cluster): CTA c's thread
+// t takes route c * kClusterThreads + t. Dynamic shared memory: a row of kClusterRowInts per local
+// expert, then each expert's count in this CTA (which the other CTAs read).
 template <typename Id>
-__global__ void __launch_bounds__(kScanThreads)
-build_in_one_cta(const Id* __restrict__ topk_ids, megamoe_routing_shape shape, megamoe_routing_plan plan,
-                 int64_t capacity) {
-  extern __shared__ int32_t chunk_counts[];
-  reset_pool(plan, capacity, threadIdx.x, blockDim.x);
-  const int64_t chunk = threadIdx.x / 32;
-  int32_t* counts = chunk_counts + chunk * shape.num_local_experts;
-  if (chunk < num_chunks(shape)) {
-    const int32_t invalid = count_chunk(topk_ids, shape, chunk, counts);
-    if (threadIdx.x % 32 == 0) chunk_invalid_counts(chunk_counts, shape)[chunk] = invalid;
+__global__ void __launch_bounds__(kClusterThreads, 1)
+build_in_one_cluster(const Id* __restrict__ topk_ids, megamoe_routing_shape shape, megamoe_routing_plan plan,
+                     int64_t capacity) {
+  using BlockScan = cub::BlockScan<int32_t, kClusterThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int32_t cta_invalid;
+  extern __shared__ int32_t expert_rows[];
+  const int32_t experts = shape.num_local_experts;
+  int32_t* cta_counts = expert_rows + int64_t(experts) * kClusterRowInts;
+  const auto cluster = cooperative_groups::this_cluster();
+  const int cta = int(cluster.block_rank()), ctas = int(cluster.num_blocks());
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  reset_pool(plan, capacity, int64_t(cta) * kClusterThreads + threadIdx.x, int64_t(ctas) * kClusterThreads);
+  for (int i = threadIdx.x; i < experts * kClusterRowInts; i += kClusterThreads) expert_rows[i] = 0;
+  if (threadIdx.x == 0) cta_invalid = 0;
+
+  // 1. The route's expert, its rank among the warp's routes to that expert, the warp's invalid ids.
+  const int64_t routes = num_routes(shape);
+  const int64_t route = int64_t(cta) * kClusterThreads + threadIdx.x;
+  const int32_t id = route < routes ? plan_id(topk_ids[route], shape) : -1;
+  const int32_t expert = local_expert(id, shape);
+  const int invalid = __reduce_add_sync(0xffffffffu, int(is_invalid_id(id, shape)));
+  const auto group = group_lanes_by_expert(expert, 32 - __clz(experts));
+  __syncthreads();  // the rows are zero
+  if (lane == group.leader && expert >= 0) expert_rows[expert * kClusterRowInts + warp] = __popc(group.peers);
+  if (lane == 0 && invalid > 0) atomicAdd(&cta_invalid, invalid);  // a sum: its order does not show
+  __syncthreads();
+
+  // 2. Per expert: the warps' counts become their exclusive prefix, and the CTA's count.
+  for (int32_t e = threadIdx.x; e < experts; e += kClusterThreads) {
+    int32_t* row = expert_rows + e * kClusterRowInts;
+    int32_t sum = 0;
+    for (int w = 0; w < kClusterWarps; ++w) {
+      const int32_t count = row[w];
+      row[w] = sum;
+      sum += count;
+    }
+    cta_counts[e] = sum;
   }
-  __syncthreads();  // the counts and the reset pool before the scan writes the block list
-  scan_counts(shape, chunk_counts, plan);
-  __syncthreads();  // the bases and the expert offsets
-  if (chunk < num_chunks(shape)) assign_chunk(topk_ids, shape, chunk, counts, plan);
+  cluster.sync();  // every CTA's counts, and every CTA's part of the pool reset
+
+  // 3. Thread e: expert e's routes in the CTAs before this one and in all; the block list and offsets
+  // (every CTA scans the same totals; CTA 0 writes them).
+  const int32_t e = threadIdx.x;
+  int32_t before = 0, total = 0;
+  for (int c = 0; e < experts && c < ctas; ++c) {
+    const int32_t count = cluster.map_shared_rank(cta_counts, c)[e];
+    before += c < cta ? count : 0;
+    total += count;
+  }
+  const int32_t expert_blocks = e < experts ? int32_t(ceil_div(total, kBlockM)) : 0;
+  int32_t first_block, num_blocks, first_route, num_compact;
+  BlockScan(scan_storage).ExclusiveSum(expert_blocks, first_block, num_blocks);
+  __syncthreads();  // scan_storage again
+  BlockScan(scan_storage).ExclusiveSum(e < experts ? total : 0, first_route, num_compact);
+  if (e < experts) {
+    expert_rows[e * kClusterRowInts + kClusterWarps] = first_block * kBlockM + before;
+    if (cta == 0) {
+      plan.expert_counts[e] = total;
+      plan.expert_offsets[e] = first_block * kBlockM;
+      plan.compact_offsets[e] = first_route;
+      for (int32_t b = 0; b < expert_blocks; ++b) plan.block_expert[first_block + b] = e;
+    }
+  }
+  if (cta == 0 && threadIdx.x == 0) {
+    plan.expert_offsets[experts] = num_blocks * kBlockM;
+    plan.compact_offsets[experts] = num_compact;
+    *plan.num_blocks = num_blocks;
+    int32_t invalid_ids = 0;
+    for (int c = 0; c < ctas; ++c) invalid_ids += *cluster.map_shared_rank(&cta_invalid, c);
+    *plan.num_invalid = invalid_ids;
+    if (plan.num_invalid_host != nullptr) {
+      *plan.num_invalid_host = invalid_ids;
+      __threadfence_system();  // the host reads it once an event after this kernel has completed
+    }
+  }
+  __syncthreads();  // the CTA's first slots
+
+  // 4. The route's slot: the CTA's first of its expert, the warps before, its rank in the warp.
+  if (route < routes) {
+    const int32_t* row = expert_rows + expert * kClusterRowInts;
+    const int32_t slot = expert >= 0 ? row[kClusterWarps] + row[warp] + group.rank : -1;
+    plan.route_to_slot[route] = slot;
+    if (slot >= 0) plan.slot_to_route[slot] = int32_t(route);
+  }
+  cluster.sync();  // no CTA leaves while another reads its shared memory
 }
 
 // Warps per CTA of count and assign, and their dynamic shared memory: up to kWarpsPerCta warps, as
@@ -333,14 +412,26 @@ int chunk_launch(const megamoe_routing_shape& s, ChunkLaunch* launch) {
 template <typename Id>
 int build(const Id* topk_ids, const megamoe_routing_plan& plan, cudaStream_t stream) {
   const auto& s = plan.shape;
-  if (builds_in_one_cta(s)) {
-    const int counter_bytes = int(chunk_counter_bytes(s));
-    if (counter_bytes > kOneCtaDefaultCounterBytes) {  // past the default limit beside the scan's own
+  if (builds_in_one_cluster(s)) {
+    const int ctas = int(std::max<int64_t>(1, ceil_div(num_routes(s), kClusterRoutesPerCta)));
+    const size_t shared_bytes = size_t(s.num_local_experts) * (kClusterRowInts + 1) * sizeof(int32_t);
+    if (shared_bytes > 32 * 1024) {  // past what fits beside the scan's storage by default: opt in
+      const auto kernel = build_in_one_cluster<Id>;
       MEGAMOE_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(build_in_one_cta<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, counter_bytes));
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)));
     }
-    build_in_one_cta<<<1, kScanThreads, counter_bytes, stream>>>(topk_ids, s, plan, megamoe_routing_capacity(&s));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    cudaLaunchAttribute cluster_dims{};
+    cluster_dims.id = cudaLaunchAttributeClusterDimension;
+    cluster_dims.val.clusterDim = {unsigned(ctas), 1, 1};
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(ctas);
+    config.blockDim = dim3(kClusterThreads);
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = &cluster_dims;
+    config.numAttrs = 1;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cudaLaunchKernelEx(&config, build_in_one_cluster<Id>, topk_ids, s, plan, megamoe_routing_capacity(&s)));
     return MEGAMOE_OK;
   }
   auto* chunk_counts = static_cast<int32_t*>(plan.workspace);
@@ -368,7 +459,7 @@ using namespace megamoe::routing;
 extern "C" int megamoe_build_routing_cuda(const void* topk_ids, int32_t id_bytes, const megamoe_routing_plan* plan,
                                           void* stream_handle) {
   if (plan == nullptr) return megamoe::invalid_argument("routing: null plan");
-  MEGAMOE_RETURN_IF_ERROR(validate(plan, !builds_in_one_cta(plan->shape)));
+  MEGAMOE_RETURN_IF_ERROR(validate(plan, !builds_in_one_cluster(plan->shape)));
   MEGAMOE_RETURN_IF_ERROR(check_ids(topk_ids, id_bytes, plan->shape));
   auto stream = static_cast<cudaStream_t>(stream_handle);
   if (id_bytes == 8) return build(static_cast<const int64_t*>(topk_ids), *plan, stream);

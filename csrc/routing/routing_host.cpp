@@ -121,6 +121,6 @@ extern "C" int megamoe_build_routing_host(const void* topk_ids, int32_t id_bytes
 
 extern "C" size_t megamoe_routing_workspace_bytes(const megamoe_routing_shape* shape) {
   // Per-chunk, per-expert counters (then the chunk's running base) and per-chunk invalid-id counts
-  // for the CUDA plan; none where one CTA holds them in shared memory.
-  return builds_in_one_cta(*shape) ? 0 : size_t(chunk_counter_bytes(*shape));
+  // for the CUDA plan; none where one cluster holds its counters in shared memory.
+  return builds_in_one_cluster(*shape) ? 0 : size_t(chunk_counter_bytes(*shape));
 }

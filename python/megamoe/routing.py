@@ -176,7 +176,7 @@ def build_routing(topk_ids: torch.Tensor, num_experts: int, expert_begin: int = 
         workspace_bytes = _workspace_bytes(num_tokens, top_k, num_experts, expert_begin, num_local)
         if workspace_bytes:
             native = plan.native(torch.empty(workspace_bytes, dtype=torch.uint8, device=device))
-        else:  # a small plan, built by one CTA: a copy of the consumers' struct, the count slot the build's own
+        else:  # a small plan, built by one cluster: a copy of the consumers' struct, the count slot the build's own
             native = _native.RoutingPlan.from_buffer_copy(plan.native())
         if not torch.cuda.is_current_stream_capturing():  # a replayed graph would write a slot since reused
             plan.num_invalid_host = _host_count_slot(device)

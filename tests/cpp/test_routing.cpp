@@ -74,12 +74,14 @@ std::vector<Case> cases() {
   // One expert per rank (8 experts over 8 ranks): a route's key is 0 or 1, one bit to rank by.
   out.push_back(make_case("one_local_expert", 700, 2, 8, 5, 1, 0.0, 0.1, 15));
   out.push_back(make_case("many_experts", 3000, 6, 2000, 0, 2000, 0.0, 0.0, 10));
-  // Around the one-CTA build (16 chunks of 512 routes, chunk counters up to 64 KB): exactly 16
-  // chunks, one chunk more, counters past 64 KB, and counters past the default 48 KB.
-  out.push_back(make_case("largest_one_cta", 1024, 8, 128, 0, 128, 0.2, 0.05, 16));
-  out.push_back(make_case("past_one_cta", 1025, 8, 128, 0, 128, 0.2, 0.0, 12));
+  // Around the one-cluster build (up to 8 CTAs of 1024 routes, up to 1024 local experts): 8 CTAs,
+  // one route more, more experts, the most experts (shared memory past the default 48 KB), and a
+  // CTA's routes ending inside a warp.
+  out.push_back(make_case("largest_one_cluster", 1024, 8, 128, 0, 128, 0.2, 0.05, 16));
+  out.push_back(make_case("past_one_cluster", 1025, 8, 128, 0, 128, 0.2, 0.0, 12));
   out.push_back(make_case("few_routes_many_experts", 1000, 6, 2000, 0, 2000, 0.0, 0.0, 13));
-  out.push_back(make_case("one_cta_large_counters", 1500, 4, 1024, 0, 1024, 0.1, 0.1, 14));
+  out.push_back(make_case("one_cluster_most_experts", 1500, 4, 1024, 0, 1024, 0.1, 0.1, 14));
+  out.push_back(make_case("one_cluster_partial_warp", 1111, 3, 60, 0, 60, 0.1, 0.02, 17));
   auto invalid = make_case("invalid_ids", 200, 4, 16, 0, 16, 0.0, 0.0, 11);
   invalid.ids[3] = 16;
   invalid.ids[17] = -5;
@@ -299,10 +301,11 @@ TEST(RoutingValidation, RejectsNullPlan) {
   expect_rejected(megamoe_build_routing_host(ids, 4, &plan), "a plan output pointer is null");
 }
 
-TEST(RoutingValidation, WorkspaceOnlyPastOneCta) {
+TEST(RoutingValidation, WorkspaceOnlyPastOneCluster) {
   const megamoe_routing_shape small{1024, 8, 128, 0, 128}, more_chunks{1025, 8, 128, 0, 128},
-      more_experts{1000, 6, 2000, 0, 2000};
+      more_experts{1000, 6, 2000, 0, 2000}, most_experts{1500, 4, 1024, 0, 1024};
   EXPECT_EQ(megamoe_routing_workspace_bytes(&small), 0u);
+  EXPECT_EQ(megamoe_routing_workspace_bytes(&most_experts), 0u);
   EXPECT_EQ(megamoe_routing_workspace_bytes(&more_chunks), 17u * 129 * 4);
   EXPECT_EQ(megamoe_routing_workspace_bytes(&more_experts), 12u * 2001 * 4);
   // Checked before any CUDA call, so without a GPU too: a plan that needs a workspace must have one.

@@ -71,7 +71,7 @@ def test_int64_ids_beyond_int32_stay_invalid():
 
 
 @requires_cuda
-@pytest.mark.parametrize("tokens", [3, 9000])  # built by one CTA, and by three passes
+@pytest.mark.parametrize("tokens", [3, 9000])  # built by one cluster, and by three passes
 def test_cuda_plan_of_int64_ids_equals_host_plan(tokens):
     ids, _ = megamoe.make_routing(tokens, 128, 8, "skewed")
     ids = ids.long()
@@ -96,7 +96,7 @@ def test_bad_plan_arguments_raise():
 
 @requires_cuda
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-@pytest.mark.parametrize("tokens", [1, 1024, 4095, 65536])  # 1, and 1024 at K = 8: one CTA builds it
+@pytest.mark.parametrize("tokens", [1, 1024, 4095, 65536])  # 1, and 1024 at K = 8: one cluster builds it
 @pytest.mark.parametrize("experts, top_k", [(128, 8), (1024, 16), (512, 10)])
 def test_cuda_plan_equals_host_plan(routing, tokens, experts, top_k):
     ids, _ = megamoe.make_routing(tokens, experts, top_k, routing)
@@ -119,7 +119,7 @@ def test_cuda_plan_is_built_on_the_ids_gpu_whichever_is_current():
 
 
 @requires_cuda
-@pytest.mark.parametrize("tokens", [3, 9000])  # built by one CTA, and by three passes
+@pytest.mark.parametrize("tokens", [3, 9000])  # built by one cluster, and by three passes
 def test_the_cuda_plan_writes_its_count_of_invalid_ids_to_host_memory_too(tokens):
     ids = torch.randint(0, 4, (tokens, 2), dtype=torch.int32, device="cuda")
     ids[0, 1], ids[1, 0], ids[2, 1] = 9, -3, -1
