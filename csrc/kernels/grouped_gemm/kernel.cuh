@@ -77,6 +77,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
   }
   __syncthreads();
 
+  // Each warpgroup builds its own scheduler from sched_params: nothing stays live across the register
+  // split (a value that did spilled in the math warpgroups).
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if constexpr (Cfg::kGathered != Gathered::kNone) {
