@@ -66,6 +66,7 @@ struct GatheredConfig : Base {
     return MEGAMOE_OK;
   }
 };
+// GEMM1's (A = x, K-major, beside w13's K-major B).
 template <int BlockN, int BBoxes>
 using GatheredAConfig = GatheredConfig<Config<BlockN, BBoxes>, Gathered::kA>;
 // The weight gradients' (both operands MN-major): dW2's A = dy, or dW13's B = x.

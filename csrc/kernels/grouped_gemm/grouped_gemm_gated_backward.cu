@@ -29,9 +29,8 @@ int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& 
 template <class Act, int BlockN>
 int run_gated_backward(const PoolProblem& p, const megamoe_gated_backward_args& args, void* stream) {
   using Pool = Config<BlockN, 1, Major::K, Major::MN>;
-  using Gathered = GatheredConfig<Pool, Gathered::kA, 64>;
-  return args.gather_a ? run_gated_backward<GatedBackwardEpilogue<Act, BlockN, Gathered>>(
-                             p, args, stream)
+  using GatheredDy = GatheredConfig<Pool, Gathered::kA, 64>;
+  return args.gather_a ? run_gated_backward<GatedBackwardEpilogue<Act, BlockN, GatheredDy>>(p, args, stream)
                        : run_gated_backward<GatedBackwardEpilogue<Act, BlockN, Pool>>(p, args, stream);
 }
 
