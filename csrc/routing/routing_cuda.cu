@@ -40,6 +40,9 @@ static_assert(kClusterMaxExperts <= kClusterThreads, "the cluster build's scan g
 // the CTA's warps (then their exclusive prefix), then the CTA's first slot of the expert; the padding
 // to 33 lets a thread walk one expert's row while its warp's other lanes walk theirs in other banks.
 constexpr int kClusterRowInts = kClusterWarps + 1;
+// Dynamic shared memory up to this size fits beside the cluster build's static storage within the
+// default 48 KB; more (up to 1024 experts' rows) opts in.
+constexpr size_t kClusterDefaultSharedBytes = 32 * 1024;
 
 struct WarpGroupOfExpert {
   unsigned peers;  // lanes whose route goes to the same local expert (or the same "none")
@@ -150,10 +153,19 @@ __device__ __forceinline__ void load_count_batch(const int32_t* __restrict__ chu
   for (int i = 0; i < kScanBatch; ++i) counts[i] = c0 + i < end_chunk ? chunk_counts[(c0 + i) * experts + e] : 0;
 }
 
-// The scan, by a CTA of kScanThreads over chunk_counts (count's layout, in global or shared
-// memory): the counts become per-chunk bases, and the plan gets its offsets, block list and counts.
-__device__ void scan_counts(const megamoe_routing_shape& shape, int32_t* chunk_counts,
-                            const megamoe_routing_plan& plan) {
+// The plan's count of invalid ids, also to pinned host memory where the plan has a slot there.
+__device__ __forceinline__ void write_invalid_count(const megamoe_routing_plan& plan, int32_t count) {
+  *plan.num_invalid = count;
+  if (plan.num_invalid_host != nullptr) {
+    *plan.num_invalid_host = count;
+    __threadfence_system();  // the host reads it once an event after this kernel has completed
+  }
+}
+
+// The scan, one CTA of kScanThreads over the workspace's chunk_counts (count's layout): the counts
+// become per-chunk bases, and the plan gets its offsets, block list and counts.
+__global__ void __launch_bounds__(kScanThreads)
+scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan) {
   using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage, routes_scan_storage;
   __shared__ int32_t group_sums[kScanGroups][kScanExperts];
@@ -171,11 +183,7 @@ __device__ void scan_counts(const megamoe_routing_shape& shape, int32_t* chunk_c
   BlockScan(scan_storage).ExclusiveSum(invalid, unused, total_invalid);
   if (threadIdx.x == 0) {
     blocks_before_tile = routes_before_tile = 0;
-    *plan.num_invalid = total_invalid;
-    if (plan.num_invalid_host != nullptr) {
-      *plan.num_invalid_host = total_invalid;
-      __threadfence_system();  // the host reads it once an event after this kernel has completed
-    }
+    write_invalid_count(plan, total_invalid);
   }
   __syncthreads();  // also before scan_storage is used again
   for (int32_t tile = 0; tile < experts; tile += kScanExperts) {
@@ -236,11 +244,6 @@ __device__ void scan_counts(const megamoe_routing_shape& shape, int32_t* chunk_c
     plan.compact_offsets[experts] = routes_before_tile;
     *plan.num_blocks = blocks_before_tile;
   }
-}
-
-__global__ void __launch_bounds__(kScanThreads)
-scan_chunks(megamoe_routing_shape shape, int32_t* __restrict__ chunk_counts, megamoe_routing_plan plan) {
-  scan_counts(shape, chunk_counts, plan);
 }
 
 // The warp walks its chunk in route order and hands out pool slots: next_slot (shared memory, one
@@ -361,11 +364,7 @@ build_in_one_cluster(const Id* __restrict__ topk_ids, megamoe_routing_shape shap
     *plan.num_blocks = num_blocks;
     int32_t invalid_ids = 0;
     for (int c = 0; c < ctas; ++c) invalid_ids += *cluster.map_shared_rank(&cta_invalid, c);
-    *plan.num_invalid = invalid_ids;
-    if (plan.num_invalid_host != nullptr) {
-      *plan.num_invalid_host = invalid_ids;
-      __threadfence_system();  // the host reads it once an event after this kernel has completed
-    }
+    write_invalid_count(plan, invalid_ids);
   }
   __syncthreads();  // the CTA's first slots
 
@@ -415,7 +414,7 @@ int build(const Id* topk_ids, const megamoe_routing_plan& plan, cudaStream_t str
   if (builds_in_one_cluster(s)) {
     const int ctas = int(std::max<int64_t>(1, ceil_div(num_routes(s), kClusterRoutesPerCta)));
     const size_t shared_bytes = size_t(s.num_local_experts) * (kClusterRowInts + 1) * sizeof(int32_t);
-    if (shared_bytes > 32 * 1024) {  // past what fits beside the scan's storage by default: opt in
+    if (shared_bytes > kClusterDefaultSharedBytes) {
       const auto kernel = build_in_one_cluster<Id>;
       MEGAMOE_CUDA_RETURN_IF_ERROR(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)));
