@@ -520,7 +520,7 @@ TEST(GroupedGemmSwigluValidation, RejectsBadArguments) {
            "the plan's expert_offsets and compact_offsets must be non-null (z is compact)"},
           {[](auto& pl, auto&) { pl.shape = kHugePoolShape; }, "the plan's pool rows = 2147483776 exceeds"},
           {[](auto&, auto& a) { a.gather_a = 2; },
-           "gather_a must be 0 (a is the pool) or 1 (a is the token rows), got 2"},
+           "gather_a must be 0 (a is the pool) or 1 (the token rows), got 2"},
           {[](auto& pl, auto& a) {
              a.gather_a = 1;
              pl.slot_to_route = nullptr;

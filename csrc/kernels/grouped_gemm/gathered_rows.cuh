@@ -39,6 +39,13 @@ constexpr int kGatherThreads = 128;                              // the producer
 constexpr int kChunksPerRow = kSwizzleBytes / 16;                // 16-byte chunks of a 128-byte tile row: 8
 constexpr int kGatherRowStep = kGatherThreads / kChunksPerRow;  // tile rows one pass of the warpgroup covers: 16
 
+// Host side: a C API's gather flag, 0 (`operand` is the pool) or 1 (it is the token rows).
+inline int check_gather_flag(const std::string& fn, int32_t flag, const char* name, const char* operand) {
+  if (flag == 0 || flag == 1) return MEGAMOE_OK;
+  return invalid_argument(fn + name + " must be 0 (" + operand + " is the pool) or 1 (the token rows), got " +
+                          std::to_string(flag));
+}
+
 // The bf16 Config (Base) with one operand gathered (kernel.cuh picks the producer by kGathered).
 // ProducerRegs: each producer thread holds its rows' token indices beside the tile's coordinates
 // (56; dh's producer, which also loads its epilogue's z chunks, 64); the math warpgroups get the rest.

@@ -36,10 +36,7 @@ extern "C" int megamoe_grouped_gemm_gated_bf16(const megamoe_routing_plan* plan,
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
-  if (args->gather_a != 0 && args->gather_a != 1) {
-    return invalid_argument(fn + "gather_a must be 0 (a is the pool) or 1 (a is the token rows), got " +
-                            std::to_string(args->gather_a));
-  }
+  MEGAMOE_RETURN_IF_ERROR(check_gather_flag(fn, args->gather_a, "gather_a", "a"));
   return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     return args->gather_a ? run_gated_keep_z_or_not<Act, GatheredAConfig<256, 2>>(p, *args, stream)

@@ -43,10 +43,7 @@ extern "C" int megamoe_grouped_gemm_gated_backward_bf16(const megamoe_routing_pl
   PoolProblem p;
   MEGAMOE_RETURN_IF_ERROR(
       make_pool_problem(fn, plan, args->intermediate, "intermediate", args->hidden, "hidden", kBf16SizeMultiple, &p));
-  if (args->gather_a != 0 && args->gather_a != 1) {
-    return invalid_argument(fn + "gather_a must be 0 (dy_pool is the pool) or 1 (the token rows), got " +
-                            std::to_string(args->gather_a));
-  }
+  MEGAMOE_RETURN_IF_ERROR(check_gather_flag(fn, args->gather_a, "gather_a", "dy_pool"));
   return with_activation(fn, args->activation, args->activation_limit, [&](auto act) {
     using Act = decltype(act);
     return wide_tiles(p.n) ? run_gated_backward<Act, 256>(p, *args, stream)

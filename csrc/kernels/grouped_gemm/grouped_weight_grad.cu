@@ -5,8 +5,6 @@
 // megamoe_grouped_weight_grad_fp8: the same in block FP8 on the operands given transposed (FP8
 // tensor cores read both K-major): Aᵀ with one scale per row and 128 pool rows, Bᵀ with one per
 // 128 x 128 block, the FP8 main loop's promotion (mainloop_fp8.cuh).
-#include <tuple>
-
 #include "kernels/grouped_gemm/config_fp8.cuh"
 #include "kernels/grouped_gemm/epilogue_weight_grad.cuh"
 #include "kernels/grouped_gemm/launch.cuh"
@@ -153,13 +151,8 @@ extern "C" int megamoe_grouped_weight_grad_bf16(const megamoe_routing_plan* plan
     return invalid_argument(fn + "out_ld must be 0 (n) or a multiple of 8 no smaller than n = " + std::to_string(a.n) +
                             ", got " + std::to_string(a.out_ld));
   }
-  for (const auto& [flag, name, operand] : {std::tuple{a.gather_a, "gather_a", "a_pool"},
-                                            std::tuple{a.gather_b, "gather_b", "b_pool"}}) {
-    if (flag != 0 && flag != 1) {
-      return invalid_argument(fn + name + " must be 0 (" + operand + " is the pool) or 1 (the token rows), got " +
-                              std::to_string(flag));
-    }
-  }
+  MEGAMOE_RETURN_IF_ERROR(check_gather_flag(fn, a.gather_a, "gather_a", "a_pool"));
+  MEGAMOE_RETURN_IF_ERROR(check_gather_flag(fn, a.gather_b, "gather_b", "b_pool"));
   if (a.gather_a && a.gather_b) {
     return invalid_argument(fn + "gather_a and gather_b cannot both be 1 (one operand is gathered at most)");
   }
