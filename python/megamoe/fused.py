@@ -187,9 +187,10 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
     fp8_backward = precision in ("fp8", "fp8_bwd")
     # In FP8, dh reads dy in e4m3 (dispatched with p below), dW2 dy's e4m3 token rows or pool and dW13
     # x's token rows: no bf16 pools.
-    # At small batches dh and dW2 read dy's token rows by route: only p is dispatched.
-    gather_dy = not fp8_backward and _gathers_rows(plan.num_routes, w13.shape[0])
-    if gather_dy:
+    # At small batches the bf16 GEMMs read token rows by route (dh and dW2 dy's, dW13 x's): of dy only p
+    # is dispatched.
+    gather_rows = not fp8_backward and _gathers_rows(plan.num_routes, w13.shape[0])
+    if gather_rows:
         dy_pool, p_pool = dy, dispatch(plan, None, topk_weights)
     elif not fp8_backward:
         dy_pool, p_pool = dispatch(plan, dy, topk_weights)
@@ -217,7 +218,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
         dy_source = dy_rows if token_rows else (dy_q, dy_scales)  # e4m3 values and scales
         del dy_q, dy_scales, dy_rows
     else:
-        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation, gather=gather_dy)
+        dz, hp, dp_partial = gated_backward(dy_pool, w2, z, p_pool, plan, activation, gather=gather_rows)
     if free_z:
         z.untyped_storage().resize_(0)
     del z
@@ -235,7 +236,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
                             hp, plan, out)
             del values, scales
         else:
-            weight_grad(dy_pool, hp, plan, out, gather_a=gather_dy)
+            weight_grad(dy_pool, hp, plan, out, gather_a=gather_rows)
     dy_pool = dy_source = hp = None  # freed before dx needs its per-route rows
     if need_dx:
         routed = _routed(plan, x)
@@ -255,7 +256,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, to
             weight_grad_fp8(dz_t, x, plan, out, b_tokens=True)
         elif x_pool is not None:
             weight_grad(dz, x_pool, plan, out)
-        elif _gathers_rows(plan.num_routes, w13.shape[0]):  # small batches: x's rows read by route
+        elif gather_rows:  # small batches: x's rows read by route
             weight_grad(dz, x.contiguous(), plan, out, gather_b=True)
         else:  # not kept (recompute="gather"): dispatched again, half of H's columns at a time
             for cols in _column_halves(x.shape[1]):
